@@ -1,0 +1,37 @@
+"""`python -m prmppo [group=option ...] [key=value ...]`: the Hydra entry point.
+
+A thin shell around `prmppo.app.run(cfg)`, which holds all the logic and is testable without
+Hydra. `python -m prmppo --help` lists the config groups and their options; `--cfg job`
+prints the composed config.
+
+Exit codes: 0 success; 1 crash (a bug or an unexpected failure, with a traceback);
+2 refused (bad config, bad input file, failed launch gate: one line saying why).
+"""
+
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from prmppo.config.schema import register_schemas
+from prmppo.errors import EXIT_REFUSED, PrmppoError
+
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+
+register_schemas()
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
+def main(cfg: DictConfig) -> None:
+    from prmppo.app import run
+
+    try:
+        run(cfg)
+    except PrmppoError as err:
+        print(f"prmppo: refused: {err}", file=sys.stderr)
+        sys.exit(EXIT_REFUSED)
+
+
+if __name__ == "__main__":
+    main()

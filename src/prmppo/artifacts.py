@@ -1,0 +1,65 @@
+"""Stage artifacts kept across runs, keyed by the config sections that made them.
+
+The pipeline skips a stage whose artifact exists for the same config: the SFT checkpoint is
+keyed by (seed, task, model, sft), so changing `ppo.kl_coef` reuses it while changing
+`sft.steps` makes a new one. An artifact directory is written under a temp name and renamed
+when complete, with `artifact.json` recording the config sections it was made from; a
+directory without that file is an interrupted write and is never reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from prmppo.logger import write_json_atomic
+
+# config sections each stage's artifact depends on (its own and its inputs')
+ARTIFACT_SECTIONS: dict[str, tuple[str, ...]] = {
+    "sft": ("seed", "task", "model", "sft"),
+}
+MANIFEST = "artifact.json"
+
+
+def artifact_key(cfg: DictConfig, stage: str) -> tuple[str, dict]:
+    """(12-hex-digit key, the config sections it hashes) for `stage`'s artifact."""
+    sections = {name: OmegaConf.to_container(cfg[name], resolve=True) if isinstance(cfg[name], DictConfig)
+                else cfg[name] for name in ARTIFACT_SECTIONS[stage]}
+    blob = json.dumps(sections, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12], sections
+
+
+def artifact_dir(cfg: DictConfig, stage: str) -> Path:
+    key, _ = artifact_key(cfg, stage)
+    return Path(cfg.artifacts_dir).resolve() / f"{stage}-{key}"
+
+
+def artifact_ready(path: Path) -> bool:
+    return (path / MANIFEST).is_file()
+
+
+def staging_dir(final: Path) -> Path:
+    """A fresh temp directory beside `final` to build an artifact in."""
+    tmp = final.with_name(final.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def publish(tmp: Path, final: Path, cfg: DictConfig, stage: str, summary: dict) -> Path:
+    """Seal `tmp` with its manifest and move it to `final` (replacing an older artifact)."""
+    key, sections = artifact_key(cfg, stage)
+    write_json_atomic(tmp / MANIFEST, {"stage": stage, "key": key, "config": sections, "summary": summary})
+    if final.exists():
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
+    return final

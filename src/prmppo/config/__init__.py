@@ -1,0 +1,1 @@
+"""Config schemas (`schema.py`) and cross-field validation (`validate.py`)."""

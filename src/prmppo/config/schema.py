@@ -1,0 +1,343 @@
+"""Typed schemas behind every YAML file in `conf/`.
+
+Each config group has a dataclass here, registered in Hydra's ConfigStore as
+`<group>_<option>_schema` (outside any group, so `--help` lists only the real options); the YAML
+option files start from it (`defaults: [/<group>_<option>_schema@_here_]`).
+So an unknown key or a value of the wrong type fails when Hydra composes the config, before
+any code runs. Every key has its default here; code reads attributes, never `.get(k, default)`.
+
+Cross-field rules (divisibility, ranges that involve two keys) live in `config/validate.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+# --------------------------------------------------------------------------- stage
+
+
+@dataclass
+class StageConfig:
+    # which stage `run(cfg)` executes: sft | prm | band | ppo | eval | pipeline
+    name: str = "pipeline"
+
+
+# --------------------------------------------------------------------------- task
+
+
+@dataclass
+class ChainDistribution:
+    min_operands: int = 2
+    max_operands: int = 4
+    min_value: int = 0
+    max_value: int = 30
+    operators: list[str] = field(default_factory=lambda: ["+", "-"])
+
+
+@dataclass
+class TaskConfig:
+    _target_: str = MISSING
+    step_delimiter: str = "\n"
+
+
+@dataclass
+class ArithTaskConfig(TaskConfig):
+    _target_: str = "prmppo.tasks.arith.ArithTask"
+    seed: int = 0
+    sft: ChainDistribution = field(default_factory=ChainDistribution)
+    rl: ChainDistribution = field(default_factory=lambda: ChainDistribution(3, 5))
+    sft_size: int = 20000
+    train_size: int = 20000
+    test_size: int = 200
+
+
+@dataclass
+class GSM8KTaskConfig(TaskConfig):
+    _target_: str = "prmppo.tasks.gsm8k.GSM8KTask"
+    data_dir: str = MISSING
+    train_file: str = "train.jsonl"
+    test_file: str = "test.jsonl"
+    test_size: Optional[int] = None
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass
+class ModelConfig:
+    _target_: str = MISSING
+    # dtype the trainer holds weights in: float32 | bfloat16 | float16
+    dtype: str = "float32"
+
+
+@dataclass
+class TinyModelConfig(ModelConfig):
+    _target_: str = "prmppo.models.tiny.TinyModelSource"
+    hidden_size: int = 96
+    intermediate_size: int = 256
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 256
+    seed: int = 0
+
+
+@dataclass
+class HFModelConfig(ModelConfig):
+    _target_: str = "prmppo.models.loading.HFDirSource"
+    # local Hugging Face-layout directory (config.json, tokenizer files, *.safetensors)
+    path: str = MISSING
+
+
+# --------------------------------------------------------------------------- arm / reward
+
+
+@dataclass
+class ArmConfig:
+    # the arm's name, recorded in the banner and used to group runs; the arm's behaviour is
+    # entirely the reward group it selects
+    name: str = MISSING
+
+
+@dataclass
+class RewardConfig:
+    _target_: str = MISSING
+    # outcome reward for a verified-correct / incorrect response (placed on the last token)
+    correct_reward: float = 1.0
+    wrong_reward: float = 0.0
+    w_outcome: float = 1.0
+
+
+@dataclass
+class OutcomeRewardConfig(RewardConfig):
+    _target_: str = "prmppo.rewards.orm.OutcomeReward"
+
+
+@dataclass
+class ProcessRewardConfig(RewardConfig):
+    _target_: str = "prmppo.rewards.prm.ProcessReward"
+    # plain | centered | log | clip | delta | min_form
+    transform: str = "plain"
+    w_prm: float = 1.0
+    # scale of the process term; for `clip` the threshold: min(s - eta, 0)
+    eta: float = 1.0
+    # softmax temperature of `min_form`
+    min_form_temperature: float = 0.1
+    # probability of flipping a step score (s -> 1 - s), to study reward hacking; in [0, 1]
+    label_noise: float = 0.0
+    # step scores come from: learned | oracle (the task's exact step checker)
+    scorer: str = "learned"
+
+
+# --------------------------------------------------------------------------- lora
+
+
+@dataclass
+class LoraConfig:
+    _target_: str = MISSING
+
+
+@dataclass
+class LoraAdapterConfig(LoraConfig):
+    _target_: str = "prmppo.models.policy.LoraPolicy"
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    init_seed: int = 0
+
+
+@dataclass
+class FullFinetuneConfig(LoraConfig):
+    _target_: str = "prmppo.models.policy.FullPolicy"
+
+
+# --------------------------------------------------------------------------- rollout
+
+
+@dataclass
+class RolloutConfig:
+    # engine run by the worker process: hf (built-in) | vllm
+    engine: str = "hf"
+    # interpreter that runs the worker; "" means the trainer's own interpreter
+    python: str = ""
+    # weight sync: checkpoint (merged HF dir) | adapter (LoRA adapter only)
+    sync: str = "checkpoint"
+    # the engine gets new weights every this many PPO iterations (1 = on-policy)
+    sync_every_iterations: int = 1
+    # seconds
+    startup_timeout_s: float = 300.0
+    request_timeout_s: float = 1800.0
+    heartbeat_timeout_s: float = 60.0
+    # vllm only: fraction of device memory (of RAM on CPU) the engine may reserve, in (0, 1]
+    gpu_memory_utilization: float = 0.3
+
+
+# --------------------------------------------------------------------------- topology
+
+
+@dataclass
+class TopologyConfig:
+    name: str = "cpu"
+    # device of the trainer (rank-local index appended for fsdp): cpu | cuda
+    train_device: str = "cpu"
+    # device of the rollout engine: cpu | cuda:N
+    engine_device: str = "cpu"
+    # number of training ranks (torchrun processes); 1 unless name=fsdp
+    train_world_size: int = 1
+    # engine shares the training GPU (fsdp only)
+    colocated: bool = False
+
+
+# --------------------------------------------------------------------------- ppo
+
+
+@dataclass
+class PPOConfig:
+    iterations: int = 40
+    prompts_per_iteration: int = 32
+    n_samples_per_prompt: int = 4
+    # rows (responses) per optimizer step; must divide prompts_per_iteration * n_samples_per_prompt
+    minibatch_rows: int = 64
+    # rows per forward/backward pass; must divide minibatch_rows
+    micro_batch_rows: int = 32
+    ppo_epochs: int = 1
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    lr: float = 3e-5
+    value_lr: float = 1e-3
+    warmup_steps: int = 2
+    # final LR as a fraction of `lr`, in [0, 1]
+    min_lr_ratio: float = 0.1
+    # max global gradient norm
+    grad_clip: float = 1.0
+    gamma: float = 1.0
+    lam_actor: float = 0.95
+    lam_critic: float = 1.0
+    whiten_advantages: bool = True
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    # dual-clip constant (> 1) or null for none
+    clip_c: Optional[float] = None
+    # value clip range around the old value, or null for none
+    value_clip: Optional[float] = 0.2
+    vf_coef: float = 0.5
+    entropy_coef: float = 0.0
+    # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+    loss_agg: str = "token_mean"
+    kl_coef: float = 0.01
+    # k1 | k2 | k3
+    kl_estimator: str = "k1"
+    # reward | loss
+    kl_placement: str = "reward"
+    value_warmup_iterations: int = 0
+    # value head reads hidden states without backpropagating into the backbone
+    detach_value_hidden: bool = True
+    # checkpoints kept (newest and pinned ones are never pruned)
+    keep_checkpoints: int = 2
+
+
+# --------------------------------------------------------------------------- sft / eval
+
+
+@dataclass
+class SFTConfig:
+    # optimizer steps; 0 accepts the model as it is (e.g. an existing HF checkpoint)
+    steps: int = 1500
+    # sequences per optimizer step
+    batch_rows: int = 64
+    lr: float = 3e-3
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.05
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    # test problems scored at the end (greedy); 0 skips the evaluation
+    eval_problems: int = 200
+    max_new_tokens: int = 64
+
+
+@dataclass
+class EvalConfig:
+    # checkpoint to evaluate; "" = the pipeline's newest artifact
+    checkpoint: str = ""
+    # test problems scored (capped at the split size)
+    n_problems: int = 200
+    # samples per prompt at `temperature` for sampled accuracy and pass@k
+    k: int = 8
+    temperature: float = 1.0
+    max_new_tokens: int = 64
+    # rows per generation batch
+    batch_rows: int = 256
+
+
+# --------------------------------------------------------------------------- logger
+
+
+@dataclass
+class LoggerConfig:
+    # metrics.jsonl is always written; these add outputs on top
+    console: bool = True
+    wandb: bool = False
+    wandb_project: str = "prmppo"
+    wandb_entity: Optional[str] = None
+    # offline | online | disabled
+    wandb_mode: str = "offline"
+
+
+# --------------------------------------------------------------------------- root
+
+
+@dataclass
+class RootConfig:
+    stage: StageConfig = MISSING
+    task: TaskConfig = MISSING
+    model: ModelConfig = MISSING
+    arm: ArmConfig = MISSING
+    reward: RewardConfig = MISSING
+    lora: LoraConfig = MISSING
+    rollout: RolloutConfig = MISSING
+    topology: TopologyConfig = MISSING
+    ppo: PPOConfig = MISSING
+    logger: LoggerConfig = MISSING
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    # experiment name: groups runs in W&B and in reports
+    experiment_name: str = "default"
+    seed: int = 0
+    # where reusable stage artifacts (SFT checkpoint, PRM adapter, band file) are kept,
+    # keyed by the config that made them; relative to the launch directory
+    artifacts_dir: str = "artifacts"
+    # this run's output directory (Hydra's job directory)
+    run_dir: str = "${hydra:runtime.output_dir}"
+    # max seconds of wall time before a coordinated stop; 0 = unlimited
+    max_wall_seconds: float = 0.0
+
+
+SCHEMAS: dict[str, dict[str, type]] = {
+    "stage": {"stage": StageConfig},
+    "task": {"arith": ArithTaskConfig, "gsm8k": GSM8KTaskConfig},
+    "model": {"tiny": TinyModelConfig, "hf": HFModelConfig},
+    "arm": {"arm": ArmConfig},
+    "reward": {"orm": OutcomeRewardConfig, "prm": ProcessRewardConfig},
+    "lora": {"adapter": LoraAdapterConfig, "none": FullFinetuneConfig},
+    "rollout": {"rollout": RolloutConfig},
+    "topology": {"topology": TopologyConfig},
+    "ppo": {"ppo": PPOConfig},
+    "logger": {"logger": LoggerConfig},
+}
+
+
+def register_schemas() -> None:
+    """Register the root schema and every group schema in Hydra's ConfigStore (idempotent)."""
+    store = ConfigStore.instance()
+    store.store(name="root_schema", node=RootConfig)
+    for group, options in SCHEMAS.items():
+        for name, node in options.items():
+            store.store(name=f"{group}_{name}_schema", node=node)

@@ -1,0 +1,134 @@
+"""Cross-field config validation: the first and cheapest launch gate.
+
+Types and unknown keys are caught by the schemas when Hydra composes; this module checks what
+a schema cannot: value ranges and arithmetic between keys. Every problem is collected and
+reported in one `ConfigError` whose message names the keys, the values, and what would be
+valid. It runs on the composed config before any model, tokenizer or dataset is built.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from prmppo.errors import PrmppoError
+
+STAGES = ("sft", "prm", "band", "ppo", "eval", "pipeline")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_PLACEMENTS = ("reward", "loss")
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+SYNC_MODES = ("checkpoint", "adapter")
+ENGINES = ("hf", "vllm")
+TRANSFORMS = ("plain", "centered", "log", "clip", "delta", "min_form")
+SCORERS = ("learned", "oracle")
+DTYPES = ("float32", "bfloat16", "float16")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+class ConfigError(PrmppoError):
+    """A config that cannot run; the message lists every problem found."""
+
+
+def _choice(problems: list[str], key: str, value, valid) -> None:
+    if value not in valid:
+        problems.append(f"{key}={value!r} is not one of {', '.join(map(str, valid))}")
+
+
+def _positive(problems: list[str], cfg: DictConfig, section: str, *keys: str) -> None:
+    for key in keys:
+        value = getattr(cfg, key)
+        if value <= 0:
+            problems.append(f"{section}.{key}={value} must be > 0")
+
+
+def _check_ppo(problems: list[str], ppo: DictConfig) -> None:
+    _positive(problems, ppo, "ppo", "iterations", "prompts_per_iteration", "n_samples_per_prompt",
+              "minibatch_rows", "micro_batch_rows", "ppo_epochs", "max_new_tokens", "temperature",
+              "lr", "grad_clip")
+    rows = ppo.prompts_per_iteration * ppo.n_samples_per_prompt
+    if ppo.minibatch_rows > 0 and rows % ppo.minibatch_rows:
+        problems.append(
+            f"ppo.minibatch_rows={ppo.minibatch_rows} must divide the responses per iteration, "
+            f"ppo.prompts_per_iteration * ppo.n_samples_per_prompt = {ppo.prompts_per_iteration} * "
+            f"{ppo.n_samples_per_prompt} = {rows} ({rows} % {ppo.minibatch_rows} = {rows % ppo.minibatch_rows})")
+    if ppo.micro_batch_rows > 0 and ppo.minibatch_rows % ppo.micro_batch_rows:
+        problems.append(
+            f"ppo.micro_batch_rows={ppo.micro_batch_rows} must divide ppo.minibatch_rows={ppo.minibatch_rows} "
+            f"({ppo.minibatch_rows} % {ppo.micro_batch_rows} = {ppo.minibatch_rows % ppo.micro_batch_rows})")
+    if not 0 < ppo.top_p <= 1:
+        problems.append(f"ppo.top_p={ppo.top_p} must be in (0, 1]")
+    for key in ("gamma", "lam_actor", "lam_critic", "min_lr_ratio"):
+        if not 0 <= getattr(ppo, key) <= 1:
+            problems.append(f"ppo.{key}={getattr(ppo, key)} must be in [0, 1]")
+    for key in ("clip_low", "clip_high"):
+        if not 0 < getattr(ppo, key) < 1:
+            problems.append(f"ppo.{key}={getattr(ppo, key)} must be in (0, 1)")
+    if ppo.clip_c is not None and ppo.clip_c <= 1:
+        problems.append(f"ppo.clip_c={ppo.clip_c} must be > 1 (dual-clip bound) or null")
+    if ppo.value_warmup_iterations >= ppo.iterations > 0:
+        problems.append(
+            f"ppo.value_warmup_iterations={ppo.value_warmup_iterations} leaves no policy iteration "
+            f"out of ppo.iterations={ppo.iterations}")
+    if ppo.kl_coef < 0:
+        problems.append(f"ppo.kl_coef={ppo.kl_coef} must be >= 0")
+    if ppo.keep_checkpoints < 1:
+        problems.append(f"ppo.keep_checkpoints={ppo.keep_checkpoints} must be >= 1")
+    _choice(problems, "ppo.kl_estimator", ppo.kl_estimator, KL_ESTIMATORS)
+    _choice(problems, "ppo.kl_placement", ppo.kl_placement, KL_PLACEMENTS)
+    _choice(problems, "ppo.loss_agg", ppo.loss_agg, LOSS_AGGS)
+
+
+def _check_task(problems: list[str], task: DictConfig) -> None:
+    if task.step_delimiter != "\n":
+        problems.append(f"task.step_delimiter={task.step_delimiter!r}: only '\\n' (one step a line) is supported")
+    if "rl" not in task:
+        return
+    for name in ("sft", "rl"):
+        dist = task[name]
+        if dist.min_operands < 2 or dist.min_operands > dist.max_operands:
+            problems.append(f"task.{name}.min_operands={dist.min_operands} must be >= 2 and <= "
+                            f"task.{name}.max_operands={dist.max_operands}")
+        if dist.min_value > dist.max_value:
+            problems.append(f"task.{name}.min_value={dist.min_value} must be <= task.{name}.max_value={dist.max_value}")
+        bad = [op for op in dist.operators if op not in ("+", "-", "*")]
+        if bad or not dist.operators:
+            problems.append(f"task.{name}.operators={list(dist.operators)} must be a non-empty subset of ['+', '-', '*']")
+    _positive(problems, task, "task", "sft_size", "train_size", "test_size")
+
+
+def _check_rest(problems: list[str], cfg: DictConfig) -> None:
+    _choice(problems, "stage.name", cfg.stage.name, STAGES)
+    _choice(problems, "model.dtype", cfg.model.dtype, DTYPES)
+    _choice(problems, "rollout.engine", cfg.rollout.engine, ENGINES)
+    _choice(problems, "rollout.sync", cfg.rollout.sync, SYNC_MODES)
+    _choice(problems, "logger.wandb_mode", cfg.logger.wandb_mode, WANDB_MODES)
+    _positive(problems, cfg.rollout, "rollout", "sync_every_iterations", "startup_timeout_s",
+              "request_timeout_s", "heartbeat_timeout_s")
+    if not 0 < cfg.rollout.gpu_memory_utilization <= 1:
+        problems.append(f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} must be in (0, 1]")
+    if cfg.rollout.sync == "adapter" and cfg.lora._target_.endswith("FullPolicy"):
+        problems.append("rollout.sync=adapter needs LoRA adapters, but lora=none trains the full model: "
+                        "use rollout.sync=checkpoint or lora=adapter")
+    if "transform" in cfg.reward:
+        _choice(problems, "reward.transform", cfg.reward.transform, TRANSFORMS)
+        _choice(problems, "reward.scorer", cfg.reward.scorer, SCORERS)
+        if not 0 <= cfg.reward.label_noise <= 1:
+            problems.append(f"reward.label_noise={cfg.reward.label_noise} must be in [0, 1]")
+    sft = cfg.sft
+    if sft.steps < 0:
+        problems.append(f"sft.steps={sft.steps} must be >= 0")
+    _positive(problems, sft, "sft", "batch_rows", "lr", "max_new_tokens")
+    if sft.steps and sft.warmup_steps >= sft.steps:
+        problems.append(f"sft.warmup_steps={sft.warmup_steps} must be < sft.steps={sft.steps}")
+    _positive(problems, cfg.eval, "eval", "n_problems", "k", "temperature", "max_new_tokens", "batch_rows")
+    if cfg.topology.train_world_size < 1:
+        problems.append(f"topology.train_world_size={cfg.topology.train_world_size} must be >= 1")
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Raise `ConfigError` listing every cross-field problem in `cfg`; return None when it can run."""
+    problems: list[str] = []
+    _check_rest(problems, cfg)
+    _check_task(problems, cfg.task)
+    _check_ppo(problems, cfg.ppo)
+    if problems:
+        raise ConfigError("invalid config: " + "; ".join(problems))

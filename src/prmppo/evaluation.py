@@ -1,0 +1,62 @@
+"""Accuracy of a policy on task problems: greedy, sampled (mean over k samples), and pass@k.
+
+Used at the end of SFT, by the `eval` stage and by the canary. Generation runs in-process
+through the built-in engine's batched sampler (`rollout/hf_engine.py`), so the numbers are
+those of the same sampler the PPO rollouts use. pass@k uses the unbiased estimator of
+Chen et al. 2021 ("Evaluating Large Language Models Trained on Code", eq. 1):
+pass@k = E[1 - C(n - c, k) / C(n, k)] with n samples of which c are correct.
+"""
+
+from __future__ import annotations
+
+from math import comb
+
+import torch
+
+from prmppo.rollout.hf_engine import sample_responses
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k for one problem with `c` correct out of `n` samples (k <= n)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def generate_texts(model, tokenizer, prompts: list[str], *, n: int, temperature: float, max_new_tokens: int,
+                   batch_rows: int, seed: int) -> list[str]:
+    """Decoded responses, prompt-major (`n` per prompt); temperature 0 means greedy."""
+    prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
+    per_batch = max(1, batch_rows // n)
+    texts: list[str] = []
+    for start in range(0, len(prompt_ids), per_batch):
+        generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed + start)
+        tokens, _, _ = sample_responses(
+            model, prompt_ids[start:start + per_batch], n_samples_per_prompt=n, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_p=1.0, generator=generator,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        texts.extend(tokenizer.decode(row, skip_special_tokens=True) for row in tokens)
+    return texts
+
+
+def score(model, tokenizer, task, problems, *, k: int, temperature: float, max_new_tokens: int,
+          batch_rows: int, seed: int, greedy: bool = True) -> dict[str, float]:
+    """`greedy_accuracy`, `sampled_accuracy` (mean over k samples) and `pass@k` over `problems`."""
+    was_training = model.training
+    model.eval()
+    prompts = [task.format_prompt(p) for p in problems]
+    result: dict[str, float] = {"n_problems": float(len(problems))}
+    if greedy:
+        texts = generate_texts(model, tokenizer, prompts, n=1, temperature=0.0, max_new_tokens=max_new_tokens,
+                               batch_rows=batch_rows, seed=seed)
+        result["greedy_accuracy"] = sum(task.verify(p, t) for p, t in zip(problems, texts)) / len(problems)
+    if k > 0:
+        texts = generate_texts(model, tokenizer, prompts, n=k, temperature=temperature,
+                               max_new_tokens=max_new_tokens, batch_rows=batch_rows, seed=seed)
+        correct = [sum(task.verify(p, texts[i * k + j]) for j in range(k)) for i, p in enumerate(problems)]
+        result["sampled_accuracy"] = sum(correct) / (k * len(problems))
+        result[f"pass@{k}"] = sum(pass_at_k(k, c, k) for c in correct) / len(problems)
+        if k >= 2:
+            result["pass@2"] = sum(pass_at_k(k, c, 2) for c in correct) / len(problems)
+    model.train(was_training)
+    return result

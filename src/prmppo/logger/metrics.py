@@ -1,0 +1,79 @@
+"""`MetricsLogger`: one JSON object per line in `<run_dir>/metrics.jsonl`, plus optional sinks.
+
+JSONL is always written and flushed line by line, so a killed run keeps every metric it logged
+and reports read the same file whatever else is configured. Console output is one short line
+per `log` call when `console` is on; W&B (issue-level opt-in) mirrors the same dicts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    """Write JSON to a temp file beside `path`, fsync, then rename over it: never half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(obj, handle, indent=2, sort_keys=True, default=_jsonable)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _jsonable(value: Any):
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"cannot write {type(value).__name__} to JSON")
+
+
+def _clean(value: Any) -> Any:
+    value = value.item() if hasattr(value, "item") else value
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else (1e308 if value > 0 else -1e308)
+    return value
+
+
+class MetricsLogger:
+    """Appends `{"stage", "step", "time", **metrics}` lines to `<run_dir>/metrics.jsonl`."""
+
+    def __init__(self, run_dir: str | Path, stage: str, console: bool = True, filename: str = "metrics.jsonl"):
+        self.path = Path(run_dir) / filename
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.stage = stage
+        self.console = console
+        self._start = time.time()
+        self._handle = open(self.path, "a")
+
+    def log(self, step: int, metrics: dict[str, Any], echo: bool = False) -> None:
+        row = {"stage": self.stage, "step": step, "time": round(time.time() - self._start, 3)}
+        row.update({key: _clean(value) for key, value in metrics.items()})
+        self._handle.write(json.dumps(row) + "\n")
+        self._handle.flush()
+        if echo and self.console:
+            shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                             for k, v in row.items() if k not in ("stage", "time"))
+            print(f"[{self.stage}] {shown}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        self._handle.close()
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,1 @@
+"""PPO: the pure maths (`maths`) and the training loop built on it."""

@@ -1,0 +1,114 @@
+"""Stage runners: the only code besides `app.run` that reads the config.
+
+Each runner builds its components from config nodes (through `app.build`, which logs every
+`_target_`), calls the stage's plain functions with values, and writes `stage_result.json`
+atomically. `ensure_*` helpers make a stage's artifact or reuse one made with the same config.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from prmppo import artifacts
+from prmppo.logger import MetricsLogger, write_json_atomic
+
+log = logging.getLogger("prmppo")
+
+
+def _device(cfg: DictConfig) -> torch.device:
+    device = torch.device(cfg.topology.train_device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        from prmppo.errors import PrmppoError
+
+        raise PrmppoError(f"topology.train_device={cfg.topology.train_device!r} but no CUDA device is visible; "
+                          "use topology=cpu")
+    return device
+
+
+def _score(model, tokenizer, task, problems, cfg: DictConfig, k: int) -> dict:
+    from prmppo.evaluation import score
+
+    return score(model, tokenizer, task, problems, k=k, temperature=cfg.eval.temperature,
+                 max_new_tokens=cfg.sft.max_new_tokens, batch_rows=cfg.eval.batch_rows, seed=cfg.seed)
+
+
+def ensure_sft(cfg: DictConfig, task, run_dir: Path, reuse: bool) -> tuple[Path, dict]:
+    """The SFT checkpoint for this config: reused when `reuse` and it exists, else trained."""
+    from prmppo.app import build
+    from prmppo.models.loading import load_model, load_tokenizer
+    from prmppo.stages.sft import SFTBatchSource, train_sft
+
+    final = artifacts.artifact_dir(cfg, "sft")
+    if reuse and artifacts.artifact_ready(final):
+        log.info("reusing SFT checkpoint %s (same task/model/sft config)", final)
+        return final, {"reused": True, "checkpoint": str(final)}
+    source = build(cfg.model, "model source")
+    init_dir = source.materialize(task, run_dir / "init_model")
+    device = _device(cfg)
+    tokenizer = load_tokenizer(init_dir)
+    model = load_model(init_dir, cfg.model.dtype, device)
+    summary: dict = {"checkpoint": str(final), "init": str(init_dir),
+                     "parameters": sum(p.numel() for p in model.parameters())}
+    with MetricsLogger(run_dir, "sft", console=cfg.logger.console) as logger:
+        if cfg.sft.steps > 0:
+            batches = SFTBatchSource.build(task, task.problems("sft"), tokenizer,
+                                           model.config.max_position_embeddings)
+            summary.update(train_sft(
+                model, batches, steps=cfg.sft.steps, batch_rows=cfg.sft.batch_rows, lr=cfg.sft.lr,
+                warmup_steps=cfg.sft.warmup_steps, min_lr_ratio=cfg.sft.min_lr_ratio,
+                weight_decay=cfg.sft.weight_decay, grad_clip=cfg.sft.grad_clip,
+                pad_token_id=tokenizer.pad_token_id, device=device, seed=cfg.seed, logger=logger))
+        if cfg.sft.eval_problems > 0:
+            start = time.time()
+            test = task.problems("test")[: cfg.sft.eval_problems]
+            held_out_sft = task.problems("sft")[-cfg.sft.eval_problems:]
+            summary["test"] = _score(model, tokenizer, task, test, cfg, k=0)
+            summary["sft_distribution"] = _score(model, tokenizer, task, held_out_sft, cfg, k=0)
+            summary["eval_seconds"] = time.time() - start
+            logger.log(cfg.sft.steps, {"eval/test_greedy_accuracy": summary["test"]["greedy_accuracy"],
+                                       "eval/sft_greedy_accuracy": summary["sft_distribution"]["greedy_accuracy"]},
+                       echo=True)
+    tmp = artifacts.staging_dir(final)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    artifacts.publish(tmp, final, cfg, "sft", summary)
+    return final, summary
+
+
+def run_sft(cfg: DictConfig, run_dir: Path) -> dict:
+    from prmppo.app import build
+
+    start = time.time()
+    task = build(cfg.task, "task")
+    _, summary = ensure_sft(cfg, task, run_dir, reuse=False)
+    summary["wall_seconds"] = time.time() - start
+    write_stage_result(run_dir, cfg, "sft", summary)
+    return summary
+
+
+def write_stage_result(run_dir: Path, cfg: DictConfig, stage: str, summary: dict) -> None:
+    write_json_atomic(run_dir / "stage_result.json", {
+        "stage": stage, "arm": cfg.arm.name, "experiment": cfg.experiment_name, "seed": cfg.seed,
+        "summary": summary})
+
+
+def run_pipeline(cfg: DictConfig, run_dir: Path) -> dict:
+    """sft (reused when its artifact exists) -> later stages as they are added."""
+    from prmppo.app import build
+
+    start = time.time()
+    task = build(cfg.task, "task")
+    checkpoint, sft_summary = ensure_sft(cfg, task, run_dir, reuse=True)
+    summary = {"sft": sft_summary, "wall_seconds": time.time() - start}
+    write_stage_result(run_dir, cfg, "pipeline", summary)
+    return summary
+
+
+STAGE_RUNNERS = {"sft": run_sft, "pipeline": run_pipeline}
+
+__all__ = ["STAGE_RUNNERS", "ensure_sft"]

@@ -1,0 +1,99 @@
+"""Stage `sft`: supervised warm-start of the policy on the task's worked solutions.
+
+    python -m prmppo stage=sft                      # embedded default: tiny model, arith task
+    python -m prmppo stage=sft sft.steps=3000       # longer
+    python -m prmppo stage=sft model=hf model.path=/ckpt/mistral-7b sft.steps=0   # accept as is
+
+Implements next-token cross-entropy on response tokens only (prompt tokens are context, not
+targets), AdamW with a warmup-cosine schedule, batches drawn uniformly with replacement from
+the `sft` split with a seeded generator. Simplifications: one device, no packing (rows are
+right-padded to the batch's longest), no gradient accumulation (the tiny model fits).
+At the end it scores greedy accuracy on the `test` split (the RL prompt distribution) and on
+held-out SFT-distribution problems, and saves an HF-layout checkpoint that later stages load.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from prmppo.ppo.maths import make_scheduler
+
+IGNORE = -100  # label of positions that carry no loss (prompt and padding)
+
+
+@dataclass
+class SFTBatchSource:
+    """All SFT examples tokenized once and right-padded: `input_ids`/`labels` [N, L], `lengths` [N]."""
+
+    input_ids: torch.Tensor  # [N, L]
+    labels: torch.Tensor  # [N, L], IGNORE on prompt and padding
+    lengths: torch.Tensor  # [N] real tokens per row
+
+    @classmethod
+    def build(cls, task, problems, tokenizer, max_length: int) -> "SFTBatchSource":
+        rows, labels = [], []
+        for problem in problems:
+            prompt = tokenizer(task.format_prompt(problem))["input_ids"]
+            response = tokenizer(problem.solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            ids = prompt + response
+            if len(ids) > max_length:
+                raise ValueError(
+                    f"an SFT example has {len(ids)} tokens, more than the model's max_position_embeddings="
+                    f"{max_length}; raise model.max_position_embeddings or shorten the task's chains")
+            rows.append(ids)
+            labels.append([IGNORE] * len(prompt) + response)
+        longest = max(map(len, rows))
+        input_ids = torch.full((len(rows), longest), tokenizer.pad_token_id, dtype=torch.long)
+        label_tensor = torch.full((len(rows), longest), IGNORE, dtype=torch.long)
+        for i, (ids, lab) in enumerate(zip(rows, labels)):
+            input_ids[i, : len(ids)] = torch.tensor(ids)
+            label_tensor[i, : len(lab)] = torch.tensor(lab)
+        return cls(input_ids, label_tensor, torch.tensor([len(r) for r in rows]))
+
+    def sample(self, batch_rows: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.randint(len(self.lengths), (batch_rows,), generator=generator)
+        width = int(self.lengths[idx].max())  # trim the shared padding to this batch's longest row
+        return self.input_ids[idx, :width], self.labels[idx, :width]
+
+
+def response_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """Mean next-token cross-entropy over response tokens. input_ids, labels: [B, L]."""
+    attention_mask = (labels != IGNORE) | (input_ids != pad_token_id)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask.long()).logits  # [B, L, V]
+    # position t predicts token t+1
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE)
+
+
+def train_sft(model, source: SFTBatchSource, *, steps: int, batch_rows: int, lr: float, warmup_steps: int,
+              min_lr_ratio: float, weight_decay: float, grad_clip: float, pad_token_id: int,
+              device: torch.device, seed: int, logger, log_every: int = 25) -> dict:
+    """Run `steps` optimizer steps; log loss / lr / tokens per second; return summary stats."""
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+    scheduler = make_scheduler(optimizer, total_steps=steps, warmup_steps=warmup_steps, min_ratio=min_lr_ratio)
+    generator = torch.Generator().manual_seed(seed)
+    start, tokens, loss_ema = time.time(), 0, None
+    progress = tqdm(range(steps), desc="sft", unit="step", mininterval=2.0, dynamic_ncols=True)
+    for step in progress:
+        input_ids, labels = source.sample(batch_rows, generator)
+        input_ids, labels = input_ids.to(device), labels.to(device)
+        loss = response_loss(model, input_ids, labels, pad_token_id)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        optimizer.step()
+        scheduler.step()
+        tokens += int((labels != IGNORE).sum())
+        loss_ema = float(loss) if loss_ema is None else 0.9 * loss_ema + 0.1 * float(loss)
+        if step % log_every == 0 or step == steps - 1:
+            elapsed = time.time() - start
+            logger.log(step, {"sft/loss": float(loss), "sft/lr": scheduler.get_last_lr()[0],
+                              "sft/grad_norm": float(grad_norm), "perf/tokens_per_s": tokens / max(elapsed, 1e-9)})
+            progress.set_postfix(loss=f"{loss_ema:.3f}")
+    model.eval()
+    return {"final_loss_ema": loss_ema, "train_seconds": time.time() - start, "response_tokens": tokens}

@@ -1,0 +1,99 @@
+"""Every shipped config option composes and validates; schemas reject typos and wrong types."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from conftest import REPO, compose_config
+from prmppo.app import check_targets
+from prmppo.config.validate import ConfigError, validate_config
+
+GROUPS = sorted(p.name for p in (REPO / "conf").iterdir() if p.is_dir())
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (REPO / "conf" / group).glob("*.yaml"))
+
+
+def test_every_group_is_present():
+    assert set(GROUPS) >= {"stage", "task", "model", "arm", "reward", "lora", "rollout", "topology",
+                           "ppo", "logger", "experiment", "debug"}
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
+def test_every_option_composes_and_validates(group, option):
+    overrides = [f"{group}={option}"]
+    if group == "model" and option == "hf":
+        overrides.append("model.path=/nonexistent/checkpoint")  # path is only checked when used
+    cfg = compose_config(overrides)
+    OmegaConf.to_container(cfg, resolve=False, throw_on_missing=True)
+    validate_config(cfg)
+    check_targets(cfg)
+
+
+@pytest.mark.parametrize("arm", ["orm", "prm"])
+@pytest.mark.parametrize("topology", ["cpu", "gpu", "fsdp"])
+@pytest.mark.parametrize("experiment", ["prm_vs_orm_arith"])
+def test_arm_topology_experiment_grid(arm, topology, experiment):
+    cfg = compose_config([f"arm={arm}", f"topology={topology}", f"experiment={experiment}"])
+    validate_config(cfg)
+    assert cfg.arm.name == arm
+
+
+def test_arms_differ_only_in_reward_and_name():
+    orm = OmegaConf.to_container(compose_config(["arm=orm"]), resolve=False)
+    prm = OmegaConf.to_container(compose_config(["arm=prm"]), resolve=False)
+    differing = {key for key in orm if orm[key] != prm[key]}
+    assert differing == {"arm", "reward"}
+
+
+def test_arm_picks_reward_and_command_line_wins():
+    assert compose_config(["arm=prm"]).reward._target_.endswith("ProcessReward")
+    assert compose_config(["arm=orm"]).reward._target_.endswith("OutcomeReward")
+    assert compose_config(["arm=prm", "reward=prm_oracle"]).reward.scorer == "oracle"
+
+
+@pytest.mark.parametrize("override,fragment", [
+    ("task.operand_count=3", "operand_count"),   # unknown key in a group
+    ("ppo.lr=fast", "ppo.lr"),                  # wrong type
+    ("ppo.minibatch_rowz=4", "minibatch_rowz"),  # typo
+    ("seed=zero", "seed"),
+])
+def test_schema_rejects_at_compose_time(override, fragment):
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_config([override])
+    assert fragment in str(err.value) + str(err.value.__cause__)
+
+
+@pytest.mark.parametrize("overrides,fragments", [
+    (["ppo.minibatch_rows=48"], ["ppo.minibatch_rows=48", "32 * 4 = 128", "128 % 48 = 32"]),
+    (["ppo.micro_batch_rows=24"], ["ppo.micro_batch_rows=24", "64 % 24 = 16"]),
+    (["ppo.clip_c=0.5"], ["ppo.clip_c=0.5", "> 1"]),
+    (["ppo.kl_estimator=k4"], ["ppo.kl_estimator='k4'", "k1, k2, k3"]),
+    (["task.rl.min_operands=6"], ["task.rl.min_operands=6", "task.rl.max_operands=5"]),
+    (["stage=sft", "sft.warmup_steps=5000"], ["sft.warmup_steps=5000", "sft.steps=1500"]),
+    (["lora=none", "rollout.sync=adapter"], ["rollout.sync=adapter", "lora=none"]),
+    (["arm=prm", "reward.transform=cube"], ["reward.transform='cube'", "min_form"]),
+])
+def test_cross_field_rejections_name_keys_and_arithmetic(overrides, fragments):
+    cfg = compose_config(overrides)
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+def test_target_outside_allowed_packages_is_refused():
+    cfg = compose_config(["task._target_=os.system"])
+    with pytest.raises(ConfigError, match="task._target_='os.system'"):
+        check_targets(cfg)
+
+
+def test_conf_dir_is_the_one_the_app_uses():
+    import prmppo.__main__ as entry
+
+    assert Path(entry.CONF_DIR) == REPO / "conf"

@@ -1,0 +1,39 @@
+"""Shared fixtures: compose the real config (never a parallel test config) and shrink it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig, open_dict
+
+from prmppo.config.schema import register_schemas
+
+REPO = Path(__file__).resolve().parents[1]
+CONF_DIR = str(REPO / "conf")
+
+
+def compose_config(overrides: list[str] | None = None, run_dir: Path | None = None) -> DictConfig:
+    """The composed config for `overrides`, as `python -m prmppo <overrides>` would see it."""
+    register_schemas()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose(config_name="config", overrides=overrides or [])
+    if run_dir is not None:
+        with open_dict(cfg):
+            cfg.run_dir = str(run_dir)
+    return cfg
+
+
+@pytest.fixture
+def smoke_cfg(tmp_path):
+    """The embedded default shrunk by the `debug=smoke` preset, writing under tmp_path."""
+
+    def make(*overrides: str) -> DictConfig:
+        cfg = compose_config(["debug=smoke", f"artifacts_dir={tmp_path / 'artifacts'}", *overrides],
+                             run_dir=tmp_path / "run")
+        return cfg
+
+    return make
