@@ -20,7 +20,7 @@ from prmppo.logger import MetricsLogger, write_json_atomic
 log = logging.getLogger("prmppo")
 
 
-def _device(cfg: DictConfig) -> torch.device:
+def train_device(cfg: DictConfig) -> torch.device:
     device = torch.device(cfg.topology.train_device)
     if device.type == "cuda" and not torch.cuda.is_available():
         from prmppo.errors import PrmppoError
@@ -49,7 +49,7 @@ def ensure_sft(cfg: DictConfig, task, run_dir: Path, reuse: bool) -> tuple[Path,
         return final, {"reused": True, "checkpoint": str(final)}
     source = build(cfg.model, "model source")
     init_dir = source.materialize(task, run_dir / "init_model")
-    device = _device(cfg)
+    device = train_device(cfg)
     tokenizer = load_tokenizer(init_dir)
     model = load_model(init_dir, cfg.model.dtype, device)
     summary: dict = {"checkpoint": str(final), "init": str(init_dir),
@@ -97,18 +97,88 @@ def write_stage_result(run_dir: Path, cfg: DictConfig, stage: str, summary: dict
         "summary": summary})
 
 
-def run_pipeline(cfg: DictConfig, run_dir: Path) -> dict:
-    """sft (reused when its artifact exists) -> later stages as they are added."""
+def _eval_checkpoint(cfg: DictConfig, task, checkpoint: Path) -> dict:
+    """Greedy accuracy, sampled accuracy (k samples at eval.temperature) and pass@k on `test`."""
+    from prmppo.evaluation import score
+    from prmppo.models.loading import load_model, load_tokenizer
+
+    model = load_model(checkpoint, cfg.model.dtype, train_device(cfg))
+    tokenizer = load_tokenizer(checkpoint)
+    problems = task.problems("test")[: cfg.eval.n_problems]
+    start = time.time()
+    result = score(model, tokenizer, task, problems, k=cfg.eval.k, temperature=cfg.eval.temperature,
+                   max_new_tokens=cfg.eval.max_new_tokens, batch_rows=cfg.eval.batch_rows, seed=cfg.seed)
+    return {"checkpoint": str(checkpoint), **result, "eval_seconds": time.time() - start}
+
+
+def run_eval(cfg: DictConfig, run_dir: Path) -> dict:
+    """Evaluate `eval.checkpoint`, or this config's SFT and PPO artifacts when it is empty."""
     from prmppo.app import build
+    from prmppo.models.loading import check_model_dir
+
+    task = build(cfg.task, "task")
+    if cfg.eval.checkpoint:
+        targets = {"checkpoint": Path(cfg.eval.checkpoint)}
+    else:
+        targets = {stage: artifacts.artifact_dir(cfg, stage) for stage in ("sft", "ppo")
+                   if artifacts.artifact_ready(artifacts.artifact_dir(cfg, stage))}
+        if not targets:
+            from prmppo.errors import PrmppoError
+
+            raise PrmppoError(f"eval.checkpoint is empty and no SFT/PPO artifact for this config exists under "
+                              f"{Path(cfg.artifacts_dir).resolve()}; pass eval.checkpoint=<HF-layout dir>")
+    for path in targets.values():
+        check_model_dir(path)
+    summary = {}
+    with MetricsLogger(run_dir, "eval", console=cfg.logger.console) as logger:
+        for name, path in targets.items():
+            summary[name] = _eval_checkpoint(cfg, task, path)
+            logger.log(0, {f"eval/{name}/{k}": v for k, v in summary[name].items() if isinstance(v, float)},
+                       echo=True)
+    write_json_atomic(run_dir / "eval.json", summary)
+    write_stage_result(run_dir, cfg, "eval", summary)
+    return summary
+
+
+def run_ppo(cfg: DictConfig, run_dir: Path) -> dict:
+    from prmppo.app import build
+    from prmppo.stages.ppo import publish_policy, train_ppo
 
     start = time.time()
     task = build(cfg.task, "task")
-    checkpoint, sft_summary = ensure_sft(cfg, task, run_dir, reuse=True)
-    summary = {"sft": sft_summary, "wall_seconds": time.time() - start}
+    sft_checkpoint, _ = ensure_sft(cfg, task, run_dir, reuse=True)
+    summary = train_ppo(cfg, task, sft_checkpoint, run_dir)
+    summary["artifact"] = str(publish_policy(cfg, Path(summary["checkpoint"]), summary))
+    summary["wall_seconds"] = time.time() - start
+    write_stage_result(run_dir, cfg, "ppo", summary)
+    return summary
+
+
+def run_pipeline(cfg: DictConfig, run_dir: Path) -> dict:
+    """sft -> ppo -> eval (SFT and PPO policies side by side); SFT reused when it exists."""
+    from prmppo.app import build
+    from prmppo.stages.ppo import publish_policy, train_ppo
+
+    start = time.time()
+    task = build(cfg.task, "task")
+    sft_checkpoint, sft_summary = ensure_sft(cfg, task, run_dir, reuse=True)
+    ppo_summary = train_ppo(cfg, task, sft_checkpoint, run_dir)
+    publish_policy(cfg, Path(ppo_summary["checkpoint"]), ppo_summary)
+    evaluation = {"sft": _eval_checkpoint(cfg, task, sft_checkpoint),
+                  "ppo": _eval_checkpoint(cfg, task, Path(ppo_summary["checkpoint"]))}
+    delta = {key: evaluation["ppo"][key] - evaluation["sft"][key]
+             for key in evaluation["sft"] if key.endswith("accuracy") or key.startswith("pass@")}
+    with MetricsLogger(run_dir, "eval", console=cfg.logger.console) as logger:
+        for name, result in evaluation.items():
+            logger.log(0, {f"eval/{name}/{k}": v for k, v in result.items() if isinstance(v, float)}, echo=True)
+        logger.log(0, {f"eval/delta/{k}": v for k, v in delta.items()}, echo=True)
+    write_json_atomic(run_dir / "eval.json", {**evaluation, "delta": delta})
+    summary = {"sft": sft_summary, "ppo": ppo_summary, "eval": evaluation, "delta": delta,
+               "wall_seconds": time.time() - start}
     write_stage_result(run_dir, cfg, "pipeline", summary)
     return summary
 
 
-STAGE_RUNNERS = {"sft": run_sft, "pipeline": run_pipeline}
+STAGE_RUNNERS = {"sft": run_sft, "ppo": run_ppo, "eval": run_eval, "pipeline": run_pipeline}
 
-__all__ = ["STAGE_RUNNERS", "ensure_sft"]
+__all__ = ["STAGE_RUNNERS", "ensure_sft", "train_device"]

@@ -89,10 +89,11 @@ def train_sft(model, source: SFTBatchSource, *, steps: int, batch_rows: int, lr:
         optimizer.step()
         scheduler.step()
         tokens += int((labels != IGNORE).sum())
-        loss_ema = float(loss) if loss_ema is None else 0.9 * loss_ema + 0.1 * float(loss)
+        loss_value = loss.item()
+        loss_ema = loss_value if loss_ema is None else 0.9 * loss_ema + 0.1 * loss_value
         if step % log_every == 0 or step == steps - 1:
             elapsed = time.time() - start
-            logger.log(step, {"sft/loss": float(loss), "sft/lr": scheduler.get_last_lr()[0],
+            logger.log(step, {"sft/loss": loss_value, "sft/lr": scheduler.get_last_lr()[0],
                               "sft/grad_norm": float(grad_norm), "perf/tokens_per_s": tokens / max(elapsed, 1e-9)})
             progress.set_postfix(loss=f"{loss_ema:.3f}")
     model.eval()

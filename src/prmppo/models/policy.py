@@ -1,0 +1,139 @@
+"""The trainable policy, its frozen reference and its value head, on one resident base.
+
+`lora=adapter` -> `LoraPolicy`: a peft LoRA adapter named `policy` on the base model. The
+reference policy is the same model with adapters disabled, so no second copy of the weights
+exists; a later `prm` adapter lives on the same base. `lora=none` -> `FullPolicy`: every base
+weight trains and a frozen deep copy is the reference.
+
+Both expose the same surface to the PPO loop: `forward` (logits + values), `reference_logits`,
+`policy_parameters`, `value_parameters`, `save_merged` (an HF-layout directory of the current
+policy, for the checkpoint sync and for evaluation) and `save_adapter` (the adapter sync).
+Both start equal to the base: LoRA's B matrices are zero at init (initialised from a seeded
+generator), so the first rollout's ratio to the reference is exactly 1.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from torch import nn
+
+POLICY_ADAPTER = "policy"
+
+
+class ValueHead(nn.Module):
+    """A linear value estimate per token from the policy's last hidden state."""
+
+    def __init__(self, hidden_size: int, detach_hidden: bool):
+        super().__init__()
+        self.detach_hidden = detach_hidden
+        self.linear = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.linear.weight)  # values start at 0: no bias in the first advantages
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, L, H] -> [B, L]
+        if self.detach_hidden:
+            hidden = hidden.detach()  # the critic must not move the policy's features
+        return self.linear(hidden.float()).squeeze(-1)
+
+
+class _PolicyBase:
+    model: nn.Module
+    value_head: ValueHead
+
+    def forward(self, input_ids, attention_mask, position_ids) -> tuple[torch.Tensor, torch.Tensor]:
+        """Policy logits [B, L, V] and values [B, L]."""
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         output_hidden_states=True)
+        return out.logits, self.value_head(out.hidden_states[-1])
+
+    def value_parameters(self) -> list[nn.Parameter]:
+        return list(self.value_head.parameters())
+
+    def train(self, mode: bool = True) -> None:
+        self.model.train(mode)
+        self.value_head.train(mode)
+
+
+class LoraPolicy(_PolicyBase):
+    """`policy` LoRA adapter on the resident base; reference = base with adapters off."""
+
+    def __init__(self, base_model: nn.Module, detach_value_hidden: bool, r: int = 8, alpha: int = 16,
+                 dropout: float = 0.0, target_modules: list[str] | None = None, init_seed: int = 0):
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules or []),
+                            bias="none", task_type="CAUSAL_LM")
+        with torch.random.fork_rng(devices=[]):  # peft draws LoRA A from the global generator
+            torch.manual_seed(init_seed)
+            self.model = get_peft_model(base_model, config, adapter_name=POLICY_ADAPTER)
+        device = next(base_model.parameters()).device
+        self.value_head = ValueHead(base_model.config.hidden_size, detach_value_hidden).to(device)
+
+    def policy_parameters(self) -> list[nn.Parameter]:
+        return [p for name, p in self.model.named_parameters() if p.requires_grad and f".{POLICY_ADAPTER}." in name]
+
+    @torch.no_grad()
+    def reference_logits(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+        with self.model.disable_adapter():
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+
+    @torch.no_grad()
+    def merged_state_dict(self) -> dict[str, torch.Tensor]:
+        """Base weights + the policy adapter's delta, under the base model's own key names.
+
+        Computed beside the base (W + scale * B @ A per adapted layer) rather than with peft's
+        in-place merge/unmerge, which would leave float rounding drift in the reference weights.
+        """
+        from peft.tuners.lora import LoraLayer
+
+        base = self.model.get_base_model()
+        merged: dict[str, torch.Tensor] = {}
+        for name, module in base.named_modules():
+            if isinstance(module, LoraLayer) and POLICY_ADAPTER in module.lora_A:
+                weight = module.get_base_layer().weight
+                merged[f"{name}.weight"] = weight + module.get_delta_weight(POLICY_ADAPTER).to(weight.dtype)
+        state = {}
+        for key, value in base.state_dict().items():
+            if "lora_" in key:
+                continue
+            clean = key.replace(".base_layer.", ".")
+            state[clean] = merged.get(clean, value)
+        return state
+
+    def save_merged(self, out_dir: Path, tokenizer) -> Path:
+        base = self.model.get_base_model()
+        base.save_pretrained(out_dir, state_dict=self.merged_state_dict())
+        tokenizer.save_pretrained(out_dir)
+        return out_dir
+
+    def save_adapter(self, out_dir: Path) -> Path:
+        self.model.save_pretrained(out_dir, selected_adapters=[POLICY_ADAPTER])
+        return out_dir
+
+
+class FullPolicy(_PolicyBase):
+    """Full fine-tuning; a frozen deep copy of the starting model is the reference."""
+
+    def __init__(self, base_model: nn.Module, detach_value_hidden: bool):
+        self.model = base_model
+        self.reference = copy.deepcopy(base_model).eval().requires_grad_(False)
+        device = next(base_model.parameters()).device
+        self.value_head = ValueHead(base_model.config.hidden_size, detach_value_hidden).to(device)
+
+    def policy_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def reference_logits(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+        return self.reference(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+
+    def save_merged(self, out_dir: Path, tokenizer) -> Path:
+        self.model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+        return out_dir
+
+    def save_adapter(self, out_dir: Path) -> Path:
+        raise ValueError("rollout.sync=adapter needs lora=adapter; lora=none has no adapter to ship")

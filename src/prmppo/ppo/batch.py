@@ -1,0 +1,82 @@
+"""Typed containers of one PPO iteration: the sampled batch and the assembled training batch.
+
+Layout: every row is `[left-padded prompt (P) | right-padded response (T)]`. Position ids count
+real tokens only (cumsum of the attention mask - 1), exactly as the rollout engine assigns
+them, so the trainer's recomputed logprobs match the engine's. The logits that predict response
+token t sit at sequence position P - 1 + t.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from prmppo.tasks.base import Problem
+
+
+@dataclass
+class RolloutBatch:
+    """Responses sampled by the engine for one iteration, with the verifier's outcome."""
+
+    problems: list[Problem]  # [B] the problem of each row (prompt-major, n per prompt)
+    response_texts: list[str]  # [B] decoded responses, special tokens dropped
+    finish_reasons: list[str]  # [B] "stop" (EOS) | "length"
+    input_ids: Tensor  # [B, P + T]
+    attention_mask: Tensor  # [B, P + T]
+    position_ids: Tensor  # [B, P + T]
+    response_ids: Tensor  # [B, T] (pad after the end)
+    response_mask: Tensor  # [B, T] float, 1 on real response tokens (EOS included)
+    engine_logprobs: Tensor  # [B, T] the engine's sampling logprobs
+    outcome: Tensor  # [B] float, 1 when the verifier accepts the response
+    prompt_length: int  # P
+
+    def __len__(self) -> int:
+        return len(self.problems)
+
+
+@dataclass
+class TrainBatch:
+    """Everything the update needs, computed once per iteration before any weight moves."""
+
+    input_ids: Tensor  # [B, P + T]
+    attention_mask: Tensor  # [B, P + T]
+    position_ids: Tensor  # [B, P + T]
+    response_ids: Tensor  # [B, T]
+    response_mask: Tensor  # [B, T]
+    old_logprobs: Tensor  # [B, T] the trainer's logprobs of the sampling policy
+    ref_logprobs: Tensor  # [B, T]
+    old_values: Tensor  # [B, T]
+    advantages: Tensor  # [B, T]
+    returns: Tensor  # [B, T] value targets
+    prompt_length: int
+
+    def rows(self, index: Tensor) -> "TrainBatch":
+        """The sub-batch of rows `index` (a minibatch or micro-batch)."""
+        picked = {f.name: getattr(self, f.name) for f in fields(self)}
+        return TrainBatch(**{k: (v[index] if isinstance(v, Tensor) else v) for k, v in picked.items()})
+
+
+def collate(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_token_id: int
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
+    """(input_ids, attention_mask, position_ids, response_ids, response_mask, P) for rows of ids."""
+    prompt_len = max(map(len, prompt_ids))
+    resp_len = max(map(len, response_ids))
+    rows = len(prompt_ids)
+    input_ids = torch.full((rows, prompt_len + resp_len), pad_token_id, dtype=torch.long)  # [B, P+T]
+    attention_mask = torch.zeros((rows, prompt_len + resp_len), dtype=torch.long)  # [B, P+T]
+    for i, (prompt, response) in enumerate(zip(prompt_ids, response_ids)):
+        input_ids[i, prompt_len - len(prompt):prompt_len] = torch.tensor(prompt)
+        input_ids[i, prompt_len:prompt_len + len(response)] = torch.tensor(response, dtype=torch.long)
+        attention_mask[i, prompt_len - len(prompt):prompt_len + len(response)] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P+T]
+    response_mask = attention_mask[:, prompt_len:].float()  # [B, T]
+    return input_ids, attention_mask, position_ids, input_ids[:, prompt_len:].clone(), response_mask, prompt_len
+
+
+def pad_floats(rows: list[list[float]], width: int) -> Tensor:
+    out = torch.zeros((len(rows), width), dtype=torch.float32)  # [B, T]
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+    return out

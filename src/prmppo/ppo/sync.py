@@ -1,0 +1,53 @@
+"""Weight sync from the trainer to the rollout engine (`rollout.sync`).
+
+`checkpoint`: the policy is saved as a merged HF-layout directory and the engine reloads it.
+`adapter`: only the LoRA `policy` adapter is saved and the engine applies it on its resident
+base. Either way a version number travels with the weights: each request names the version
+it must be sampled with and the worker reports what it served, so a stale engine is caught.
+Directories are written under a temp name and renamed; versions older than the previous one
+are pruned.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from prmppo.rollout.protocol import WeightsSpec
+
+
+class WeightSync:
+    """Decides when to ship weights and what the next rollout request must be sampled with."""
+
+    def __init__(self, mode: str, every_iterations: int, sync_dir: Path, tokenizer):
+        if mode not in ("checkpoint", "adapter"):
+            raise ValueError(f"rollout.sync={mode!r} is not one of checkpoint, adapter")
+        self.mode = mode
+        self.every_iterations = every_iterations
+        self.sync_dir = Path(sync_dir)
+        self.tokenizer = tokenizer
+        self.served = WeightsSpec(kind="base", path=None, version=0)
+
+    def push(self, policy) -> WeightsSpec:
+        """Save the current policy for the engine; the next request asks for this version."""
+        version = self.served.version + 1
+        final = self.sync_dir / f"v{version:06d}"
+        tmp = final.with_name(final.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        if self.mode == "checkpoint":
+            policy.save_merged(tmp, self.tokenizer)
+        else:
+            policy.save_adapter(tmp)
+        tmp.rename(final)
+        self.served = WeightsSpec(kind=self.mode, path=str(final.resolve()), version=version)
+        for old in self.sync_dir.glob("v*"):
+            if old.name < f"v{version - 1:06d}":
+                shutil.rmtree(old, ignore_errors=True)
+        return self.served
+
+    def maybe_sync(self, policy, iteration: int) -> bool:
+        """Push after every `every_iterations`-th iteration (0-based `iteration`)."""
+        if (iteration + 1) % self.every_iterations:
+            return False
+        self.push(policy)
+        return True

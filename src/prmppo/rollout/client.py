@@ -1,0 +1,291 @@
+"""The trainer's side of the rollout protocol: start, feed, watch and stop the worker process.
+
+    with RolloutClient(spool_dir, "hf", base_model_dir, log_path) as client:
+        result = client.generate(RolloutRequest(...))
+
+`start()` clears stale spool files, launches `python -m prmppo.rollout.worker` (output appended
+to `log_path`) and waits for the heartbeat to say "ready". `generate()` writes the request and
+polls for its result while watching three ways the worker can fail: the process exited (error
+with the exit code, the log's last lines and the log path), the heartbeat went stale (a hung
+worker), or the request timed out. Nothing here waits forever; after a dead, hung or timed-out
+worker the client kills it and must be `start()`ed again.
+
+Run the tests: `PYTHONPATH=src pytest tests/rollout/test_worker.py -q`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import prmppo
+from prmppo.rollout.protocol import (
+    ErrorResult,
+    RolloutRequest,
+    RolloutResult,
+    RolloutWorkerError,
+    ShutdownRequest,
+    SpoolFileError,
+    SpoolPaths,
+    WeightsSpec,
+    read_json,
+    read_result,
+    write_json_atomic,
+)
+
+LOG_TAIL_LINES = 30
+POLL_INTERVAL_S = 0.02
+SHUTDOWN_GRACE_S = 5.0
+
+
+def package_parent_dir() -> str:
+    """The directory that contains the `prmppo` package (what the worker needs on PYTHONPATH)."""
+    package_file = getattr(prmppo, "__file__", None)
+    package_dir = Path(package_file).parent if package_file else Path(next(iter(prmppo.__path__)))
+    return str(package_dir.resolve().parent)
+
+
+def log_tail(log_path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last `lines` lines of the worker log, or a note saying why there are none."""
+    try:
+        with open(log_path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, handle.tell() - 64 * 1024))  # the tail is in the last 64 KiB
+            text = handle.read().decode("utf-8", errors="replace")
+    except OSError as err:
+        return f"(worker log {log_path} unreadable: {err})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class RolloutClient:
+    """Runs one rollout worker process and exchanges requests and results with it."""
+
+    def __init__(
+        self,
+        spool_dir: str | os.PathLike,
+        engine: str,
+        base_model_dir: str | os.PathLike,
+        log_path: str | os.PathLike,
+        device: str = "cpu",
+        dtype: str = "float32",
+        python: str = sys.executable,
+        startup_timeout_s: float = 120.0,
+        request_timeout_s: float = 600.0,
+        heartbeat_timeout_s: float = 30.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        timeouts = {"startup_timeout_s": startup_timeout_s, "request_timeout_s": request_timeout_s,
+                    "heartbeat_timeout_s": heartbeat_timeout_s}
+        for name, value in timeouts.items():
+            if not value > 0:
+                raise ValueError(f"{name}={value!r} must be > 0 seconds")
+        self.spool = SpoolPaths(Path(spool_dir))
+        self.engine = engine
+        self.base_model_dir = str(base_model_dir)
+        self.log_path = Path(log_path)
+        self.device, self.dtype, self.python = device, dtype, python
+        self.startup_timeout_s = startup_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.env = env
+        self._proc: subprocess.Popen | None = None
+        self._served: WeightsSpec | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def served_weights(self) -> WeightsSpec | None:
+        """The weights the engine served for the last result (None before the first)."""
+        return self._served
+
+    @property
+    def pid(self) -> int | None:
+        """The worker's process id (also after it died), None before start / after close."""
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def __enter__(self) -> "RolloutClient":
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _clear_spool(self) -> None:
+        self.spool.make_dirs()
+        self._refuse_if_live_worker()
+        for directory in (self.spool.requests_dir, self.spool.results_dir):
+            for stale in directory.glob("*.json"):
+                stale.unlink(missing_ok=True)
+        for directory in (self.spool.root, self.spool.requests_dir, self.spool.results_dir):
+            for stale in directory.glob(".*.tmp"):  # left by a writer killed mid-write
+                stale.unlink(missing_ok=True)
+        self.spool.heartbeat.unlink(missing_ok=True)
+
+    def _refuse_if_live_worker(self) -> None:
+        """Two workers on one spool would steal each other's requests."""
+        try:
+            beat = read_json(self.spool.heartbeat, "heartbeat", required=("pid", "time"))
+            os.kill(int(beat["pid"]), 0)
+        except (SpoolFileError, ProcessLookupError, PermissionError, ValueError, TypeError):
+            return
+        if time.time() - float(beat["time"]) < self.heartbeat_timeout_s:
+            raise RolloutWorkerError(
+                f"spool {self.spool.root} is in use by a live worker (pid {beat['pid']}, fresh heartbeat); "
+                "close it or use another spool_dir"
+            )
+
+    def _worker_env(self) -> dict[str, str]:
+        env = dict(os.environ if self.env is None else self.env)
+        existing = env.get("PYTHONPATH", "")
+        env["PYTHONPATH"] = package_parent_dir() + (os.pathsep + existing if existing else "")
+        return env
+
+    def start(self) -> None:
+        """Launch the worker and wait until its heartbeat says "ready"."""
+        if self._proc is not None and self._proc.poll() is None:
+            raise RolloutWorkerError(f"worker pid {self._proc.pid} is already running; close() it first")
+        self._clear_spool()
+        command = [
+            self.python, "-m", "prmppo.rollout.worker", "--spool", str(self.spool.root),
+            "--engine", self.engine, "--base-model", self.base_model_dir,
+            "--device", self.device, "--dtype", self.dtype,
+        ]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log_file:  # the child keeps its own copy of the fd
+            self._proc = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                env=self._worker_env(),
+            )
+        self._served = None
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            self._raise_if_dead("while starting")
+            beat = self._read_heartbeat()
+            if beat is not None and beat["status"] == "ready":
+                return
+            time.sleep(POLL_INTERVAL_S)
+        self._kill()
+        raise RolloutWorkerError(
+            f"rollout worker not ready after startup_timeout_s={self.startup_timeout_s}; killed it. "
+            f"Worker log {self.log_path}, last lines:\n{log_tail(self.log_path)}"
+        )
+
+    def close(self) -> None:
+        """Ask the worker to exit, then terminate / kill it if it does not. Idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            shutdown = ShutdownRequest(f"shutdown-{time.time_ns()}")
+            write_json_atomic(self.spool.request(shutdown.request_id), shutdown.to_dict())
+            proc.wait(timeout=SHUTDOWN_GRACE_S)
+            return
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        proc.terminate()
+        try:
+            proc.wait(timeout=SHUTDOWN_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=SHUTDOWN_GRACE_S)
+
+    def _kill(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(timeout=SHUTDOWN_GRACE_S)
+
+    # ------------------------------------------------------------------ health
+
+    def _raise_if_dead(self, doing: str) -> None:
+        if self._proc is None:
+            raise RolloutWorkerError("rollout worker is not running: call start() first")
+        code = self._proc.poll()
+        if code is not None:
+            raise RolloutWorkerError(
+                f"rollout worker pid {self._proc.pid} exited with code {code} {doing}. "
+                f"Worker log {self.log_path}, last lines:\n{log_tail(self.log_path)}"
+            )
+
+    def _read_heartbeat(self) -> dict | None:
+        """The worker's heartbeat, or None while it has not written one yet."""
+        if not self.spool.heartbeat.exists():
+            return None
+        return read_json(self.spool.heartbeat, "heartbeat", required=("pid", "time", "status", "weights"))
+
+    def _raise_if_hung(self, request_id: str) -> None:
+        beat = self._read_heartbeat()
+        age_s = time.time() - float(beat["time"]) if beat is not None else float("inf")
+        if age_s > self.heartbeat_timeout_s:
+            self._kill()
+            raise RolloutWorkerError(
+                f"rollout worker hung: heartbeat {self.spool.heartbeat} is {age_s:.1f}s old "
+                f"(heartbeat_timeout_s={self.heartbeat_timeout_s}) while waiting for request {request_id}; "
+                f"killed it. Worker log {self.log_path}, last lines:\n{log_tail(self.log_path)}"
+            )
+
+    # ------------------------------------------------------------------ requests
+
+    def generate(self, request: RolloutRequest) -> RolloutResult:
+        """Send `request` and wait for its result; raises RolloutWorkerError / SpoolFileError."""
+        if not isinstance(request, RolloutRequest):
+            raise TypeError(f"generate() takes a RolloutRequest, got {type(request).__name__}")
+        self._raise_if_dead("before the request was sent")
+        result_path = self.spool.result(request.request_id)
+        if result_path.exists() or self.spool.request(request.request_id).exists():
+            raise RolloutWorkerError(
+                f"request_id {request.request_id!r} is already in the spool; use a fresh id"
+            )
+        write_json_atomic(self.spool.request(request.request_id), request.to_dict())
+        deadline = time.monotonic() + self.request_timeout_s
+        while not result_path.exists():
+            if self._proc.poll() is not None and not result_path.exists():
+                self._raise_if_dead(f"while serving request {request.request_id}")
+            self._raise_if_hung(request.request_id)
+            if time.monotonic() > deadline:
+                self._kill()
+                raise RolloutWorkerError(
+                    f"request {request.request_id} timed out after "
+                    f"request_timeout_s={self.request_timeout_s}; killed the worker. "
+                    f"Worker log {self.log_path}, last lines:\n{log_tail(self.log_path)}"
+                )
+            time.sleep(POLL_INTERVAL_S)
+        result = read_result(result_path)
+        result_path.unlink(missing_ok=True)
+        return self._check_result(request, result, result_path)
+
+    def _check_result(self, request: RolloutRequest, result, result_path: Path) -> RolloutResult:
+        if result.request_id != request.request_id:
+            raise SpoolFileError(
+                f"result file {result_path} answers request {result.request_id!r}, "
+                f"expected {request.request_id!r}"
+            )
+        if isinstance(result, ErrorResult):
+            raise RolloutWorkerError(
+                f"rollout worker failed request {request.request_id} (log {self.log_path}):\n{result.error}"
+            )
+        if len(result.token_ids) != request.n_rows:
+            raise SpoolFileError(
+                f"result file {result_path} has {len(result.token_ids)} rows, expected "
+                f"{len(request.prompt_token_ids)} prompts x {request.n_samples_per_prompt} samples "
+                f"= {request.n_rows}"
+            )
+        too_long = [row for row, tokens in enumerate(result.token_ids)
+                    if len(tokens) > request.max_new_tokens]
+        if too_long:
+            raise SpoolFileError(
+                f"result file {result_path} rows {too_long[:5]} exceed max_new_tokens={request.max_new_tokens}"
+            )
+        if result.weights != request.weights:  # the ratio tripwire would fire later, less clearly
+            raise RolloutWorkerError(
+                f"rollout worker served weights {result.weights} for request {request.request_id}, "
+                f"which asked for {request.weights}"
+            )
+        self._served = result.weights
+        return result
