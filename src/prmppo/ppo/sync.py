@@ -25,6 +25,8 @@ class WeightSync:
         self.mode = mode
         self.every_iterations = every_iterations
         self.sync_dir = Path(sync_dir)
+        shutil.rmtree(self.sync_dir, ignore_errors=True)  # transient: a relaunch starts from no versions
+        self.sync_dir.mkdir(parents=True)
         self.tokenizer = tokenizer
         self.served = WeightsSpec(kind="base", path=None, version=0)
 

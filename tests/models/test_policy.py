@@ -1,0 +1,87 @@
+"""LoRA policy on a resident base: starts equal to the reference, merged save equals the live policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import MistralConfig, MistralForCausalLM
+
+from prmppo.models.loading import load_model
+from prmppo.models.policy import FullPolicy, LoraPolicy
+from prmppo.models.tiny import build_char_tokenizer
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    cfg = MistralConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                        tie_word_embeddings=True)
+    return MistralForCausalLM(cfg).eval()
+
+
+def _inputs():
+    ids = torch.randint(4, 24, (3, 10), generator=torch.Generator().manual_seed(1))
+    att = torch.ones_like(ids)
+    return ids, att, att.cumsum(-1) - 1
+
+
+def test_lora_policy_starts_at_the_reference_and_moves_away():
+    policy = LoraPolicy(_model(), detach_value_hidden=True, r=4, alpha=8, target_modules=TARGETS)
+    ids, att, pos = _inputs()
+    logits, values = policy.forward(ids, att, pos)
+    assert torch.allclose(logits, policy.reference_logits(ids, att, pos), atol=1e-6)
+    assert torch.count_nonzero(values) == 0  # zero-initialised value head
+    with torch.no_grad():
+        for p in policy.policy_parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    moved, _ = policy.forward(ids, att, pos)
+    assert (moved - policy.reference_logits(ids, att, pos)).abs().max() > 1e-3
+    trainable = {n for n, p in policy.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+
+
+def test_lora_init_is_seeded():
+    a = LoraPolicy(_model(), True, r=4, target_modules=TARGETS, init_seed=3).policy_parameters()
+    b = LoraPolicy(_model(), True, r=4, target_modules=TARGETS, init_seed=3).policy_parameters()
+    c = LoraPolicy(_model(), True, r=4, target_modules=TARGETS, init_seed=4).policy_parameters()
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not all(torch.equal(x, y) for x, y in zip(a, c))
+
+
+def test_merged_checkpoint_reproduces_the_live_policy(tmp_path):
+    policy = LoraPolicy(_model(), detach_value_hidden=True, r=4, alpha=8, target_modules=TARGETS)
+    with torch.no_grad():
+        for p in policy.policy_parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    policy.save_merged(tmp_path / "merged", build_char_tokenizer("0123456789+-=\nAnswer: "))
+    ids, att, pos = _inputs()
+    live, _ = policy.forward(ids, att, pos)
+    reloaded = load_model(tmp_path / "merged")(input_ids=ids, attention_mask=att, position_ids=pos).logits
+    assert torch.allclose(live, reloaded, atol=1e-5)
+    # the base itself was not modified by the merge: the reference is unchanged
+    assert torch.allclose(policy.reference_logits(ids, att, pos), _model()(ids).logits, atol=1e-5)
+
+
+def test_value_head_detach_controls_backbone_gradients():
+    ids, att, pos = _inputs()
+    for detach, expect_grad in ((True, False), (False, True)):
+        policy = LoraPolicy(_model(), detach_value_hidden=detach, r=4, target_modules=TARGETS)
+        torch.nn.init.normal_(policy.value_head.linear.weight)
+        _, values = policy.forward(ids, att, pos)
+        values.sum().backward()
+        got = any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.policy_parameters())
+        assert got == expect_grad
+
+
+def test_full_policy_keeps_a_frozen_reference():
+    policy = FullPolicy(_model(), detach_value_hidden=True)
+    with pytest.raises(ValueError, match="lora=adapter"):
+        policy.save_adapter(None)
+    ids, att, pos = _inputs()
+    with torch.no_grad():
+        for p in policy.policy_parameters():
+            p.add_(0.01)
+    logits, _ = policy.forward(ids, att, pos)
+    assert (logits - policy.reference_logits(ids, att, pos)).abs().max() > 1e-4

@@ -1,0 +1,98 @@
+"""CPU smoke runs of the real stages on the real (shrunk) config, through the real worker process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from prmppo.app import run
+from prmppo.models.loading import load_model, load_tokenizer
+
+
+def _metrics(run_dir: Path, stage: str) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if row["stage"] == stage]
+
+
+def test_sft_smoke_trains_saves_and_reports(smoke_cfg):
+    cfg = smoke_cfg("stage=sft")
+    summary = run(cfg)
+    run_dir = Path(cfg.run_dir)
+    losses = [row["sft/loss"] for row in _metrics(run_dir, "sft") if "sft/loss" in row]
+    assert losses[-1] < losses[0]  # 20 steps from random init must lower the loss
+    checkpoint = Path(summary["checkpoint"])
+    assert (checkpoint / "artifact.json").exists()
+    load_model(checkpoint), load_tokenizer(checkpoint)  # loads through the common path
+    result = json.loads((run_dir / "stage_result.json").read_text())
+    assert result["stage"] == "sft" and 0.0 <= result["summary"]["test"]["greedy_accuracy"] <= 1.0
+
+
+@pytest.mark.parametrize("sync", ["checkpoint", "adapter"])
+def test_ppo_smoke_engine_matches_trainer_after_sync(smoke_cfg, sync):
+    # a large LR and an entropy bonus move the policy in one update, far enough that a stale
+    # engine would show
+    cfg = smoke_cfg("stage=ppo", f"rollout.sync={sync}", "ppo.lr=0.05", "ppo.warmup_steps=0",
+                    "ppo.entropy_coef=1.0")  # the smoke policy is never right: entropy moves it
+    summary = run(cfg)
+    run_dir = Path(cfg.run_dir)
+    rows = _metrics(run_dir, "ppo")
+    assert [r["step"] for r in rows] == [0, 1]
+    moved = rows[1]["ppo/kl_ref"]
+    assert abs(moved) > 1e-3, "the policy did not move: the check below would prove nothing"
+    for row in rows:
+        assert row["rollout/engine_logprob_abs_diff"] < 1e-4  # engine served exactly the synced policy
+        assert row["ppo/first_minibatch_ratio_dev"] < 1e-4  # policy unchanged on the first minibatch
+    banner = json.loads((run_dir / "banner.json").read_text())
+    assert banner["rollout"]["sync"] == sync and banner["derived_ids"]["eos_token_id"] == 2
+    # 2 iterations x (4 prompts x 2 samples / 4 rows per minibatch) = 4 policy optimizer steps
+    assert summary["policy_steps"] == summary["planned_policy_steps"] == 4
+    assert (Path(summary["checkpoint"]) / "config.json").exists()
+
+
+def test_skipped_sync_shows_as_an_engine_gap(smoke_cfg):
+    # sync every 2 iterations: iteration 1 samples with the base while the trainer has moved
+    cfg = smoke_cfg("stage=ppo", "rollout.sync_every_iterations=2", "ppo.lr=0.05", "ppo.warmup_steps=0",
+                    "ppo.entropy_coef=1.0")  # the smoke policy is never right: entropy moves it
+    run(cfg)
+    rows = _metrics(Path(cfg.run_dir), "ppo")
+    assert rows[0]["rollout/engine_logprob_abs_diff"] < 1e-4
+    assert rows[1]["rollout/engine_logprob_abs_diff"] > 1e-3
+
+
+def test_pipeline_smoke_writes_eval_of_both_policies(smoke_cfg):
+    cfg = smoke_cfg()
+    summary = run(cfg)
+    run_dir = Path(cfg.run_dir)
+    evaluation = json.loads((run_dir / "eval.json").read_text())
+    assert set(evaluation) == {"sft", "ppo", "delta"}
+    for name in ("sft", "ppo"):
+        assert {"greedy_accuracy", "sampled_accuracy", "pass@2"} <= set(evaluation[name])
+    assert summary["sft"]["checkpoint"] == evaluation["sft"]["checkpoint"]
+    # a second pipeline run with the same config reuses the SFT checkpoint
+    again = run(smoke_cfg())
+    assert again["sft"]["reused"] is True
+
+
+def test_killed_worker_fails_the_run_quickly_with_its_log(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "prmppo", "stage=ppo", "debug=smoke", "ppo.iterations=200",
+           f"artifacts_dir={tmp_path / 'artifacts'}", f"hydra.run.dir={run_dir}", "rollout.heartbeat_timeout_s=5"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    heartbeat = run_dir / "spool" / "heartbeat.json"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (run_dir / "banner.json").exists():
+        time.sleep(0.2)
+    assert (run_dir / "banner.json").exists(), proc.communicate(timeout=30)[1][-2000:]
+    os.kill(json.loads(heartbeat.read_text())["pid"], signal.SIGKILL)
+    killed_at = time.time()
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode not in (0, None)
+    assert time.time() - killed_at < 30
+    assert "worker.log" in stderr
