@@ -46,7 +46,7 @@ class _PolicyBase:
     def forward(self, input_ids, attention_mask, position_ids) -> tuple[torch.Tensor, torch.Tensor]:
         """Policy logits [B, L, V] and values [B, L]."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         output_hidden_states=True)
+                         output_hidden_states=True, use_cache=False)
         return out.logits, self.value_head(out.hidden_states[-1])
 
     def value_parameters(self) -> list[nn.Parameter]:
@@ -78,7 +78,8 @@ class LoraPolicy(_PolicyBase):
     @torch.no_grad()
     def reference_logits(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
         with self.model.disable_adapter():
-            return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False).logits
 
     @torch.no_grad()
     def merged_state_dict(self) -> dict[str, torch.Tensor]:
@@ -128,7 +129,8 @@ class FullPolicy(_PolicyBase):
 
     @torch.no_grad()
     def reference_logits(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
-        return self.reference(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        return self.reference(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False).logits
 
     def save_merged(self, out_dir: Path, tokenizer) -> Path:
         self.model.save_pretrained(out_dir)
