@@ -89,6 +89,10 @@ def test_adapter_sync_is_reported_as_served(client, model_dirs):
     result = client.generate(make_request("after-sync", weights=spec, seed=5))
     assert result.weights == spec and client.served_weights == spec
     assert result.token_ids != base_tokens
+    # the heartbeat thread rewrites its file every second: give it a few beats to catch up
+    deadline = time.time() + 10
+    while read_json(client.spool.heartbeat, "heartbeat")["weights"] != asdict(spec) and time.time() < deadline:
+        time.sleep(0.1)
     assert read_json(client.spool.heartbeat, "heartbeat")["weights"] == asdict(spec)
 
 
