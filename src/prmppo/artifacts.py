@@ -21,7 +21,8 @@ from prmppo.logger import write_json_atomic
 # config sections each stage's artifact depends on (its own and its inputs')
 ARTIFACT_SECTIONS: dict[str, tuple[str, ...]] = {
     "sft": ("seed", "task", "model", "sft"),
-    "ppo": ("seed", "task", "model", "sft", "arm", "reward", "lora", "rollout", "ppo"),
+    "prm": ("seed", "task", "model", "sft", "prm_train"),
+    "ppo": ("seed", "task", "model", "sft", "prm_train", "arm", "reward", "lora", "rollout", "ppo"),
 }
 MANIFEST = "artifact.json"
 

@@ -96,3 +96,17 @@ def test_killed_worker_fails_the_run_quickly_with_its_log(tmp_path):
     assert proc.returncode not in (0, None)
     assert time.time() - killed_at < 30
     assert "worker.log" in stderr
+
+
+@pytest.mark.parametrize("reward", ["prm", "prm_oracle"])
+def test_prm_arm_smoke_runs_ppo_with_step_rewards(smoke_cfg, reward):
+    cfg = smoke_cfg("stage=ppo", "arm=prm", f"reward={reward}")
+    summary = run(cfg)
+    rows = _metrics(Path(cfg.run_dir), "ppo")
+    assert [r["step"] for r in rows] == [0, 1]
+    for row in rows:
+        assert "hack/steps_per_response" in row and "reward/prm_mean" in row
+        assert row["rollout/engine_logprob_abs_diff"] < 1e-4
+    banner = json.loads((Path(cfg.run_dir) / "banner.json").read_text())
+    assert banner["arm"] == "prm" and banner["reward"]["scorer"] == ("oracle" if reward == "prm_oracle" else "learned")
+    assert summary["policy_steps"] == summary["planned_policy_steps"]

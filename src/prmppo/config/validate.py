@@ -22,6 +22,9 @@ TRANSFORMS = ("plain", "centered", "log", "clip", "delta", "min_form")
 SCORERS = ("learned", "oracle")
 DTYPES = ("float32", "bfloat16", "float16")
 WANDB_MODES = ("offline", "online", "disabled")
+LABEL_SOURCES = ("checker", "monte_carlo")
+ESTIMATIONS = ("hard", "soft")
+PRM_HEADS = ("classifier", "label_tokens")
 
 
 class ConfigError(PrmppoError):
@@ -124,11 +127,34 @@ def _check_rest(problems: list[str], cfg: DictConfig) -> None:
         problems.append(f"topology.train_world_size={cfg.topology.train_world_size} must be >= 1")
 
 
+def _check_prm_train(problems: list[str], prm: DictConfig) -> None:
+    _choice(problems, "prm_train.label_source", prm.label_source, LABEL_SOURCES)
+    _choice(problems, "prm_train.estimation", prm.estimation, ESTIMATIONS)
+    _choice(problems, "prm_train.head", prm.head, PRM_HEADS)
+    _positive(problems, prm, "prm_train", "r", "alpha", "steps", "batch_rows", "lr", "train_problems",
+              "mc_completions", "eval_problems", "chunk_rows", "max_new_tokens")
+    if prm.samples_per_problem < (1 if prm.label_source == "monte_carlo" else 0):
+        problems.append(f"prm_train.samples_per_problem={prm.samples_per_problem} must be >= 0, and >= 1 with "
+                        "prm_train.label_source=monte_carlo (its labels come from policy samples)")
+    if prm.negative_weight <= 0:
+        problems.append(f"prm_train.negative_weight={prm.negative_weight} must be > 0")
+    if prm.best_of_n < 0:
+        problems.append(f"prm_train.best_of_n={prm.best_of_n} must be >= 0 (0 skips best-of-N reranking)")
+    if not 0 <= prm.warmup_steps < max(prm.steps, 1):
+        problems.append(f"prm_train.warmup_steps={prm.warmup_steps} must be >= 0 and < prm_train.steps={prm.steps}")
+    if prm.head == "label_tokens" and prm.good_token == prm.bad_token:
+        problems.append(f"prm_train.good_token={prm.good_token!r} and prm_train.bad_token={prm.bad_token!r} "
+                        "must differ for head=label_tokens")
+    if not prm.target_modules:
+        problems.append("prm_train.target_modules is empty: the prm adapter needs at least one module name")
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Raise `ConfigError` listing every cross-field problem in `cfg`; return None when it can run."""
     problems: list[str] = []
     _check_rest(problems, cfg)
     _check_task(problems, cfg.task)
     _check_ppo(problems, cfg.ppo)
+    _check_prm_train(problems, cfg.prm_train)
     if problems:
         raise ConfigError("invalid config: " + "; ".join(problems))

@@ -75,6 +75,11 @@ class LoraPolicy(_PolicyBase):
     def policy_parameters(self) -> list[nn.Parameter]:
         return [p for name, p in self.model.named_parameters() if p.requires_grad and f".{POLICY_ADAPTER}." in name]
 
+    @property
+    def prm_host(self) -> nn.Module:
+        """The model a PRM adapter joins: the resident base the policy adapter lives on."""
+        return self.model
+
     @torch.no_grad()
     def reference_logits(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
         with self.model.disable_adapter():
@@ -126,6 +131,11 @@ class FullPolicy(_PolicyBase):
 
     def policy_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    @property
+    def prm_host(self) -> nn.Module:
+        """The model a PRM adapter joins: the frozen reference (the trained weights keep moving)."""
+        return self.reference
 
     @torch.no_grad()
     def reference_logits(self, input_ids, attention_mask, position_ids) -> torch.Tensor:

@@ -35,6 +35,10 @@ class OutcomeReward:
         self.wrong_reward = wrong_reward
         self.w_outcome = w_outcome
 
+    # capabilities the runner reads (it never asks which arm it runs)
+    needs_step_scorer = False
+    needs_learned_prm = False
+
     def __call__(self, batch) -> tuple[Tensor, dict[str, float]]:
         rewards = self.w_outcome * outcome_rewards(batch.outcome, batch.response_mask, self.correct_reward,
                                                    self.wrong_reward)  # [B, T]

@@ -55,6 +55,17 @@ def banner(cfg: DictConfig, tokenizer, shape, base_dir: Path, policy) -> dict:
     }
 
 
+def _attach_step_scorer(cfg: DictConfig, reward, task, tokenizer, policy, base_dir: Path, run_dir: Path) -> None:
+    """Give a step-level reward its scorer: the learned PRM on the policy's resident base, or the checker."""
+    from prmppo.models.prm import build_step_scorer
+    from prmppo.stages.prm import ensure_prm
+
+    prm_dir = ensure_prm(cfg, task, run_dir, base_dir, reuse=True)[0] if reward.needs_learned_prm else None
+    scorer = build_step_scorer(cfg.reward.scorer, task=task, tokenizer=tokenizer, model=policy.prm_host, prm_dir=prm_dir,
+                               chunk_rows=cfg.prm_train.chunk_rows)
+    reward.attach(scorer, task)
+
+
 def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path) -> dict:
     """Run PPO from `base_dir`; returns the summary (final checkpoint path included)."""
     from prmppo.app import build
@@ -68,6 +79,8 @@ def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path) -> dict:
     reward = build(cfg.reward, "reward")
     model = load_model(base_dir, cfg.model.dtype, device)
     policy = build(cfg.lora, "policy", base_model=model, detach_value_hidden=cfg.ppo.detach_value_hidden)
+    if reward.needs_step_scorer:
+        _attach_step_scorer(cfg, reward, task, tokenizer, policy, base_dir, run_dir)
     ppo = OmegaConf.to_object(cfg.ppo)
     sync = WeightSync(cfg.rollout.sync, cfg.rollout.sync_every_iterations, run_dir / "sync", tokenizer)
     start = time.time()

@@ -155,7 +155,11 @@ def run_ppo(cfg: DictConfig, run_dir: Path) -> dict:
 
 
 def run_pipeline(cfg: DictConfig, run_dir: Path) -> dict:
-    """sft -> ppo -> eval (SFT and PPO policies side by side); SFT reused when it exists."""
+    """sft -> (prm, when the reward needs one) -> ppo -> eval of SFT and PPO side by side.
+
+    Each stage reuses its artifact when one exists for the same config; the PRM is trained
+    inside `train_ppo` when the arm's reward asks for a learned PRM.
+    """
     from prmppo.app import build
     from prmppo.stages.ppo import publish_policy, train_ppo
 
@@ -179,6 +183,12 @@ def run_pipeline(cfg: DictConfig, run_dir: Path) -> dict:
     return summary
 
 
-STAGE_RUNNERS = {"sft": run_sft, "ppo": run_ppo, "eval": run_eval, "pipeline": run_pipeline}
+def run_prm(cfg: DictConfig, run_dir: Path) -> dict:
+    from prmppo.stages.prm import run_prm_stage
+
+    return run_prm_stage(cfg, run_dir)
+
+
+STAGE_RUNNERS = {"sft": run_sft, "prm": run_prm, "ppo": run_ppo, "eval": run_eval, "pipeline": run_pipeline}
 
 __all__ = ["STAGE_RUNNERS", "ensure_sft", "train_device"]

@@ -1,0 +1,264 @@
+"""The process reward model (PRM) on the shared backbone, and the step scorers the reward uses.
+
+The PRM is a LoRA adapter named `prm` plus a head. In the `prm` stage it is trained alone on
+the SFT checkpoint (`new_prm`: `get_peft_model(base, ..., adapter_name="prm")`); during PPO it
+is loaded next to the `policy` adapter on the *same* PeftModel (`load_prm`), frozen, so no
+second copy of the backbone exists. Heads (`prm_train.head`):
+
+- `classifier`:   sigmoid(linear(h_t)) on the last hidden state h_t of each step-end token;
+- `label_tokens`: the LM's own next-token distribution at the step end, restricted to a "good"
+                  and a "bad" token: p(good) / (p(good) + p(bad)) = sigmoid(logit_good -
+                  logit_bad), as in Math-Shepherd (Wang et al. 2024, "Math-Shepherd: Verify and
+                  Reinforce LLMs Step-by-step without Human Annotations").
+
+Both heads return a step *logit* (pre-sigmoid), so training uses BCE-with-logits.
+
+Step scorers (`StepScorer.score(batch) -> (scores [B, T], step_end_mask [B, T])`, scores in
+[0, 1] at step ends and 0 elsewhere):
+
+- `LearnedStepScorer`: the PRM, in chunks of `chunk_rows` rows under no_grad, with the `prm`
+  adapter switched on and the previously active adapter switched back afterwards. peft's
+  `set_adapter` also rewrites `requires_grad` of adapter weights, so every flag is snapshotted
+  and restored: the policy stays exactly as trainable as it was and the PRM stays frozen.
+- `OracleStepScorer`: the task's exact step checker (`reward=prm_oracle`): 1.0 right, 0.0 wrong.
+
+Saved layout (`save_prm`, safetensors only): `<dir>/prm/adapter_model.safetensors` (+ peft's
+adapter_config.json), `<dir>/prm_head.safetensors`, `<dir>/prm_meta.json`.
+
+Tests: `pytest tests/models/test_prm.py -q`.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from prmppo.rewards.steps import StepBoundaries, align_step_labels
+
+PRM_ADAPTER = "prm"
+HEAD_TYPES = ("classifier", "label_tokens")
+HEAD_FILE, META_FILE = "prm_head.safetensors", "prm_meta.json"
+
+
+class ClassifierHead(nn.Module):
+    """Step logit = linear(h) on the last hidden state; zero-initialised (every score starts at 0.5)."""
+
+    kind, needs_logits = "classifier", False
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: Tensor, logits: Tensor | None) -> Tensor:  # [b, T, H] -> [b, T]
+        return self.linear(hidden.float()).squeeze(-1)
+
+
+class LabelTokenHead(nn.Module):
+    """Step logit = logit(good) - logit(bad) of the LM at the step end (no weights of its own)."""
+
+    kind, needs_logits = "label_tokens", True
+
+    def __init__(self, good_token_id: int, bad_token_id: int, good_token: str, bad_token: str):
+        super().__init__()
+        self.good_token_id, self.bad_token_id = good_token_id, bad_token_id
+        self.good_token, self.bad_token = good_token, bad_token
+
+    def forward(self, hidden: Tensor, logits: Tensor) -> Tensor:  # [b, T, V] -> [b, T]
+        return logits[..., self.good_token_id].float() - logits[..., self.bad_token_id].float()
+
+
+def label_token_id(tokenizer, text: str, key: str) -> int:
+    """The single vocabulary id of `text`, or a ValueError naming the config key."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) != 1 or ids[0] == tokenizer.unk_token_id:
+        raise ValueError(f"{key}={text!r} must be exactly one token of the model's vocabulary "
+                         f"(it encodes to {ids}); pick a character the tokenizer knows, e.g. '+' or '-'")
+    return ids[0]
+
+
+def make_head(head_type: str, hidden_size: int, tokenizer, good_token: str = "+", bad_token: str = "-") -> nn.Module:
+    if head_type == "classifier":
+        return ClassifierHead(hidden_size)
+    if head_type == "label_tokens":
+        good = label_token_id(tokenizer, good_token, "prm_train.good_token")
+        bad = label_token_id(tokenizer, bad_token, "prm_train.bad_token")
+        if good == bad:
+            raise ValueError(f"prm_train.good_token={good_token!r} and prm_train.bad_token={bad_token!r} must differ")
+        return LabelTokenHead(good, bad, good_token, bad_token)
+    raise ValueError(f"prm_train.head={head_type!r} is not one of {', '.join(HEAD_TYPES)}")
+
+
+def _lora_config(r: int, alpha: int, target_modules: list[str]):
+    from peft import LoraConfig
+
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(target_modules),
+                      bias="none", task_type="CAUSAL_LM")
+
+
+def new_prm(base_model: nn.Module, *, r: int, alpha: int, target_modules: list[str], init_seed: int = 0):
+    """A PeftModel whose only adapter is a fresh, trainable `prm` adapter on `base_model`."""
+    from peft import get_peft_model
+
+    with torch.random.fork_rng(devices=[]):  # peft draws LoRA A from the global generator
+        torch.manual_seed(init_seed)
+        return get_peft_model(base_model, _lora_config(r, alpha, target_modules), adapter_name=PRM_ADAPTER)
+
+
+@contextmanager
+def adapter_active(peft_model, name: str):
+    """Run with adapter `name` active and the model in eval mode; restore the active adapter,
+    the train/eval mode and every parameter's requires_grad flag afterwards."""
+    flags = {id(p): p.requires_grad for p in peft_model.parameters()}
+    previous, was_training = peft_model.active_adapter, peft_model.training
+    peft_model.set_adapter(name)
+    peft_model.eval()
+    try:
+        yield peft_model
+    finally:
+        peft_model.set_adapter(previous)
+        for p in peft_model.parameters():
+            p.requires_grad_(flags.get(id(p), False))
+        peft_model.train(was_training)
+
+
+def prm_step_logits(model, head: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
+                    prompt_length: int) -> Tensor:
+    """Step logits [b, T] at every response position (the caller picks the step ends)."""
+    extra = {} if head.needs_logits else {"logits_to_keep": 1}  # the classifier needs no LM logits
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                output_hidden_states=True, use_cache=False, **extra)
+    hidden = out.hidden_states[-1][:, prompt_length:]  # [b, T, H]: position P + t has read token t
+    logits = out.logits[:, prompt_length:] if head.needs_logits else None  # [b, T, V]
+    return head(hidden, logits)
+
+
+class StepScorer(Protocol):
+    """Step scores for a batch of responses (a `RolloutBatch` or anything with its fields)."""
+
+    boundaries: StepBoundaries
+
+    def score(self, batch) -> tuple[Tensor, Tensor]:
+        """(scores [B, T] in [0, 1], zero off step ends; step_end_mask [B, T] bool)."""
+
+
+class LearnedStepScorer:
+    """The trained PRM on the shared backbone; never changes what the policy trains."""
+
+    def __init__(self, peft_model, head: nn.Module, delimiter_ids: frozenset[int], eos_id: int, chunk_rows: int,
+                 blank_ids: frozenset[int] | None = None):
+        if chunk_rows <= 0:
+            raise ValueError(f"prm_train.chunk_rows={chunk_rows} must be > 0")
+        self.peft_model, self.head, self.chunk_rows = peft_model, head, chunk_rows
+        self.boundaries = StepBoundaries(frozenset(delimiter_ids), frozenset(blank_ids or delimiter_ids), eos_id)
+
+    @torch.no_grad()
+    def score(self, batch) -> tuple[Tensor, Tensor]:
+        ends = self.boundaries.mask(batch.response_ids, batch.response_mask)  # [B, T]
+        device = next(self.peft_model.parameters()).device
+        chunks = []
+        with adapter_active(self.peft_model, PRM_ADAPTER):
+            for rows in torch.arange(len(ends)).split(self.chunk_rows):
+                ids, att, pos = (t[rows].to(device) for t in (batch.input_ids, batch.attention_mask,
+                                                              batch.position_ids))
+                logits = prm_step_logits(self.peft_model, self.head, ids, att, pos, batch.prompt_length)
+                chunks.append(torch.sigmoid(logits).float().cpu())  # [b, T]
+        scores = torch.cat(chunks).to(ends.device) * ends  # [B, T]
+        return scores, ends
+
+
+class OracleStepScorer:
+    """The task's exact step checker as a PRM (`reward=prm_oracle`): 1.0 right, 0.0 wrong."""
+
+    def __init__(self, task, tokenizer, delimiter_ids: frozenset[int], eos_id: int,
+                 blank_ids: frozenset[int] | None = None):
+        probe = task.problems("test")[0]
+        if task.check_steps(probe, probe.solution) is None:
+            raise ValueError(f"reward=prm_oracle (reward.scorer=oracle) needs a task with an exact step checker, "
+                             f"but task {task.name!r} has none (check_steps returns None); use reward=prm with a "
+                             "learned PRM, or task=arith")
+        self.task, self.tokenizer = task, tokenizer
+        self.boundaries = StepBoundaries(frozenset(delimiter_ids), frozenset(blank_ids or delimiter_ids), eos_id)
+
+    @torch.no_grad()
+    def score(self, batch) -> tuple[Tensor, Tensor]:
+        ends = self.boundaries.mask(batch.response_ids, batch.response_mask)  # [B, T]
+        scores = torch.zeros(ends.shape, dtype=torch.float32)  # [B, T]
+        for row, problem in enumerate(batch.problems):
+            length = int(batch.response_mask[row].sum())
+            positions = ends[row].nonzero().squeeze(-1).tolist()
+            labels = align_step_labels(self.task, problem, self.tokenizer, batch.response_ids[row, :length].tolist(),
+                                       positions, self.boundaries.delimiter_ids)
+            scores[row, positions] = torch.tensor(labels, dtype=torch.float32)
+        return scores.to(ends.device), ends
+
+
+def save_prm(out_dir: str | Path, peft_model, head: nn.Module) -> Path:
+    """Write the `prm` adapter, the head and `prm_meta.json` into `out_dir` (safetensors only)."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    peft_model.save_pretrained(out_dir, selected_adapters=[PRM_ADAPTER], safe_serialization=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}, str(out_dir / HEAD_FILE))
+    lora = peft_model.peft_config[PRM_ADAPTER]
+    meta = {"head": head.kind, "good_token": getattr(head, "good_token", None),
+            "bad_token": getattr(head, "bad_token", None), "r": lora.r, "alpha": lora.lora_alpha,
+            "target_modules": sorted(lora.target_modules)}
+    (out_dir / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
+    return out_dir
+
+
+def load_prm(prm_dir: str | Path, model: nn.Module, tokenizer) -> tuple[nn.Module, nn.Module]:
+    """(peft_model, head): the frozen `prm` adapter added to `model` (a PeftModel, e.g. the
+    policy's, whose active adapter and trainable flags are left as they were) or wrapped around
+    it (a plain model), and the frozen head on the model's device."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from prmppo.rollout.hf_engine import find_adapter_dir
+
+    prm_dir = Path(prm_dir)
+    if not (prm_dir / META_FILE).is_file():
+        raise FileNotFoundError(f"{prm_dir / META_FILE} is missing: {prm_dir} is not a PRM made by the prm stage")
+    meta = json.loads((prm_dir / META_FILE).read_text())
+    adapter_dir = find_adapter_dir(prm_dir)
+    if isinstance(model, PeftModel):
+        flags = {id(p): p.requires_grad for p in model.parameters()}
+        previous = model.active_adapter
+        model.load_adapter(str(adapter_dir), adapter_name=PRM_ADAPTER, is_trainable=False)
+        model.set_adapter(previous)
+        for p in model.parameters():
+            p.requires_grad_(flags.get(id(p), False))  # the new prm weights are not in `flags`: frozen
+        peft_model = model
+    else:
+        peft_model = PeftModel.from_pretrained(model, str(adapter_dir), adapter_name=PRM_ADAPTER, is_trainable=False)
+    base_config = peft_model.get_base_model().config
+    head = make_head(meta["head"], base_config.hidden_size, tokenizer, meta["good_token"] or "+",
+                     meta["bad_token"] or "-")
+    state = load_file(str(prm_dir / HEAD_FILE))
+    head.load_state_dict(state)
+    device = next(peft_model.parameters()).device
+    return peft_model, head.to(device).eval().requires_grad_(False)
+
+
+def build_step_scorer(scorer: str, *, task, tokenizer, model: nn.Module | None = None,
+                      prm_dir: str | Path | None = None, chunk_rows: int = 32) -> StepScorer:
+    """The scorer `reward.scorer` names: "oracle" (task checker) or "learned" (PRM at `prm_dir`,
+    loaded onto `model`, e.g. the policy's PeftModel)."""
+    boundaries = StepBoundaries.from_tokenizer(tokenizer, task.step_delimiter)
+    if scorer == "oracle":
+        return OracleStepScorer(task, tokenizer, boundaries.delimiter_ids, boundaries.eos_token_id,
+                                boundaries.blank_ids)
+    if scorer == "learned":
+        if model is None or prm_dir is None:
+            raise ValueError("reward.scorer=learned needs the PRM artifact dir (ensure_prm) and the model to load it on")
+        peft_model, head = load_prm(prm_dir, model, tokenizer)
+        return LearnedStepScorer(peft_model, head, boundaries.delimiter_ids, boundaries.eos_token_id, chunk_rows,
+                                 boundaries.blank_ids)
+    raise ValueError(f"reward.scorer={scorer!r} is not one of learned, oracle")
