@@ -78,6 +78,12 @@ def test_schema_rejects_at_compose_time(override, fragment):
     (["stage=sft", "sft.warmup_steps=5000"], ["sft.warmup_steps=5000", "sft.steps=1000"]),
     (["lora=none", "rollout.sync=adapter"], ["rollout.sync=adapter", "lora=none"]),
     (["arm=prm", "reward.transform=cube"], ["reward.transform='cube'", "min_form"]),
+    (["ppo.max_engine_logprob_gap=0"], ["ppo.max_engine_logprob_gap=0", "> 0"]),
+    (["ppo.max_first_ratio_dev=-1"], ["ppo.max_first_ratio_dev=-1", "> 0"]),
+    (["ppo.max_consecutive_skipped_steps=0"], ["ppo.max_consecutive_skipped_steps=0", "> 0"]),
+    (["ppo.max_skipped_fraction=1.5"], ["ppo.max_skipped_fraction=1.5", "[0, 1]"]),
+    (["canary.every=-1"], ["canary.every=-1", ">= 0"]),
+    (["canary.max_drop=2"], ["canary.max_drop=2", "[0, 1]"]),
 ])
 def test_cross_field_rejections_name_keys_and_arithmetic(overrides, fragments):
     cfg = compose_config(overrides)

@@ -51,6 +51,11 @@ def test_ppo_smoke_engine_matches_trainer_after_sync(smoke_cfg, sync):
         assert row["ppo/first_minibatch_ratio_dev"] < 1e-4  # policy unchanged on the first minibatch
     banner = json.loads((run_dir / "banner.json").read_text())
     assert banner["rollout"]["sync"] == sync and banner["derived_ids"]["eos_token_id"] == 2
+    gates = banner["gates"]  # what each launch gate derived
+    assert gates["verifier_receipt"]["gold_pass_rate"] == 1.0 and gates["verifier_receipt"]["corrupted_pass_rate"] == 0
+    assert gates["topology"]["train_gpus"] == [] and gates["eos"]["eos_token_id"] == 2
+    assert gates["ratio_tripwire"]["self_test"] == "fired" and gates["horizon"]["policy_optimizer_steps"] == 4
+    assert summary["alarms"] == []  # on-policy: no tripwire fires
     # 2 iterations x (4 prompts x 2 samples / 4 rows per minibatch) = 4 policy optimizer steps
     assert summary["policy_steps"] == summary["planned_policy_steps"] == 4
     assert (Path(summary["checkpoint"]) / "config.json").exists()
@@ -59,11 +64,19 @@ def test_ppo_smoke_engine_matches_trainer_after_sync(smoke_cfg, sync):
 def test_skipped_sync_shows_as_an_engine_gap(smoke_cfg):
     # sync every 2 iterations: iteration 1 samples with the base while the trainer has moved
     cfg = smoke_cfg("stage=ppo", "rollout.sync_every_iterations=2", "ppo.lr=0.05", "ppo.warmup_steps=0",
-                    "ppo.entropy_coef=1.0")  # the smoke policy is never right: entropy moves it
-    run(cfg)
+                    "ppo.entropy_coef=1.0", "canary.every=1", "canary.n_problems=4")
+    run(cfg)  # the smoke policy is never right: entropy moves it
     rows = _metrics(Path(cfg.run_dir), "ppo")
     assert rows[0]["rollout/engine_logprob_abs_diff"] < 1e-4
     assert rows[1]["rollout/engine_logprob_abs_diff"] > 1e-3
+    # the ratio tripwire turns the gap into an alarm in stage_result.json, for iteration 1 only
+    alarms = json.loads((Path(cfg.run_dir) / "stage_result.json").read_text())["summary"]["alarms"]
+    alarms = [a for a in alarms if a["tripwire"] == "ratio"]
+    assert [a["iteration"] for a in alarms] == [1]
+    assert alarms[0]["message"].startswith("rollout/engine_logprob_abs_diff=")
+    assert "ppo.max_engine_logprob_gap=0.01" in alarms[0]["message"]
+    canary = [json.loads(line) for line in (Path(cfg.run_dir) / "canary.jsonl").read_text().splitlines()]
+    assert [row["iteration"] for row in canary] == [0, 1] and 0 <= canary[0]["greedy_accuracy"] <= 1
 
 
 def test_pipeline_smoke_writes_eval_of_both_policies(smoke_cfg):
@@ -110,3 +123,14 @@ def test_prm_arm_smoke_runs_ppo_with_step_rewards(smoke_cfg, reward):
     banner = json.loads((Path(cfg.run_dir) / "banner.json").read_text())
     assert banner["arm"] == "prm" and banner["reward"]["scorer"] == ("oracle" if reward == "prm_oracle" else "learned")
     assert summary["policy_steps"] == summary["planned_policy_steps"]
+
+
+def test_ppo_gate_refusal_stops_the_run_before_the_banner(smoke_cfg):
+    # the topology gate runs right after the task is built, before SFT or any weights: nothing is made
+    cfg = smoke_cfg("stage=ppo", "topology.engine_device=cuda:0")
+    from prmppo.guards import GateError
+
+    with pytest.raises(GateError, match=r"topology.engine_device='cuda:0' but no CUDA device is visible"):
+        run(cfg)
+    assert not (Path(cfg.run_dir) / "banner.json").exists()
+    assert not list(Path(cfg.artifacts_dir).glob("sft-*"))

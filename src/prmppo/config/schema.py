@@ -243,6 +243,17 @@ class PPOConfig:
     detach_value_hidden: bool = True
     # checkpoints kept (newest and pinned ones are never pruned)
     keep_checkpoints: int = 2
+    # ratio tripwire (alarms, see guards/tripwires.py): max |ratio - 1| on an iteration's first
+    # minibatch, where the policy is unchanged (dimensionless; fp32 noise is ~1e-6); > 0
+    max_first_ratio_dev: float = 1e-3
+    # max mean |engine - trainer| logprob per response token, in nats (fp32 noise is ~1e-6;
+    # a skipped sync after one update is ~1e-2 and more); > 0
+    max_engine_logprob_gap: float = 1e-2
+    # abort when more optimizer steps than this in a row have a non-finite gradient; >= 1
+    max_consecutive_skipped_steps: int = 3
+    # abort when more than this fraction of the run's planned optimizer steps are skipped
+    # for a non-finite gradient; in [0, 1]
+    max_skipped_fraction: float = 0.1
 
 
 # --------------------------------------------------------------------------- sft / eval
@@ -325,6 +336,19 @@ class PRMTrainConfig:
     max_new_tokens: int = 96
 
 
+# --------------------------------------------------------------------------- canary
+
+
+@dataclass
+class CanaryConfig:
+    # PPO iterations between canary checks (greedy accuracy on held-out problems); 0 = off
+    every: int = 0
+    # the first this many `test` problems, the same ones at every check; > 0
+    n_problems: int = 64
+    # alarm when greedy accuracy falls more than this (a fraction, in [0, 1]) below the best so far
+    max_drop: float = 0.1
+
+
 # --------------------------------------------------------------------------- logger
 
 
@@ -357,6 +381,7 @@ class RootConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     prm_train: PRMTrainConfig = field(default_factory=PRMTrainConfig)
+    canary: CanaryConfig = field(default_factory=CanaryConfig)
     # experiment name: groups runs in W&B and in reports
     experiment_name: str = "default"
     seed: int = 0

@@ -75,6 +75,10 @@ def _check_ppo(problems: list[str], ppo: DictConfig) -> None:
         problems.append(f"ppo.kl_coef={ppo.kl_coef} must be >= 0")
     if ppo.keep_checkpoints < 1:
         problems.append(f"ppo.keep_checkpoints={ppo.keep_checkpoints} must be >= 1")
+    _positive(problems, ppo, "ppo", "max_first_ratio_dev", "max_engine_logprob_gap", "max_consecutive_skipped_steps")
+    if not 0 <= ppo.max_skipped_fraction <= 1:
+        problems.append(f"ppo.max_skipped_fraction={ppo.max_skipped_fraction} must be in [0, 1] (a fraction of the "
+                        "run's planned optimizer steps)")
     _choice(problems, "ppo.kl_estimator", ppo.kl_estimator, KL_ESTIMATORS)
     _choice(problems, "ppo.kl_placement", ppo.kl_placement, KL_PLACEMENTS)
     _choice(problems, "ppo.loss_agg", ppo.loss_agg, LOSS_AGGS)
@@ -123,6 +127,11 @@ def _check_rest(problems: list[str], cfg: DictConfig) -> None:
     if sft.steps and sft.warmup_steps >= sft.steps:
         problems.append(f"sft.warmup_steps={sft.warmup_steps} must be < sft.steps={sft.steps}")
     _positive(problems, cfg.eval, "eval", "n_problems", "k", "temperature", "max_new_tokens", "batch_rows")
+    if cfg.canary.every < 0:
+        problems.append(f"canary.every={cfg.canary.every} must be >= 0 (0 turns the canary off)")
+    _positive(problems, cfg.canary, "canary", "n_problems")
+    if not 0 <= cfg.canary.max_drop <= 1:
+        problems.append(f"canary.max_drop={cfg.canary.max_drop} must be in [0, 1] (a drop in accuracy)")
     if cfg.topology.train_world_size < 1:
         problems.append(f"topology.train_world_size={cfg.topology.train_world_size} must be >= 1")
 

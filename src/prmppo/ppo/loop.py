@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from prmppo.errors import PrmppoError
+from prmppo.guards.tripwires import SkipBudget
 from prmppo.ppo import maths
 from prmppo.ppo.batch import RolloutBatch, TrainBatch, collate, pad_floats
 from prmppo.ppo.sync import WeightSync
@@ -49,7 +51,7 @@ class Shape:
                    policy_iterations * ppo.ppo_epochs * minibatches)
 
 
-class HorizonError(ValueError):
+class HorizonError(PrmppoError, ValueError):
     """The LR schedule would not end where the policy's optimizer steps end."""
 
 
@@ -80,6 +82,8 @@ class PPOTrainer:
         check_horizon(self.shape.policy_steps, self.shape, ppo)
         self.policy_steps_taken = 0
         self.skipped_steps = 0
+        self.skip_budget = SkipBudget(ppo.max_consecutive_skipped_steps, ppo.max_skipped_fraction,
+                                      ppo.iterations * ppo.ppo_epochs * self.shape.minibatches_per_epoch)
         self.prompts = task.problems("train")
         self.order = torch.randperm(len(self.prompts), generator=torch.Generator().manual_seed(seed))
 
@@ -207,7 +211,8 @@ class PPOTrainer:
         """Clip, then step the optimizers unless the gradient is non-finite; returns the norm."""
         params = self.policy.value_parameters() + (self.policy.policy_parameters() if train_policy else [])
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.ppo.grad_clip)
-        if not math.isfinite(float(grad_norm)):
+        finite = math.isfinite(float(grad_norm))
+        if not finite:
             self.skipped_steps += 1  # a non-finite gradient must never reach the weights
         else:
             self.value_optimizer.step()
@@ -218,6 +223,7 @@ class PPOTrainer:
             self.policy_steps_taken += 1
         self.policy_optimizer.zero_grad(set_to_none=True)
         self.value_optimizer.zero_grad(set_to_none=True)
+        self.skip_budget.record(skipped=not finite)  # raises TrainingAborted past a limit
         return float(grad_norm)
 
     # ------------------------------------------------------------------ one iteration

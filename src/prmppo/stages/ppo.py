@@ -4,11 +4,14 @@
     python -m prmppo stage=ppo arm=orm ppo.kl_coef=0.04 rollout.sync=adapter
     python -m prmppo stage=ppo debug=smoke                 # seconds: 2 iterations on tiny shapes
 
-Builds (and logs) the components, starts the rollout worker process on the SFT checkpoint,
-writes `banner.json`, runs `ppo.iterations` iterations of `PPOTrainer`, saves the final policy
-as an HF-layout checkpoint (also published as the stage's artifact for `eval`), and writes
-`stage_result.json` atomically. The SFT checkpoint for the same config is reused, or trained
-first when there is none.
+Runs the launch gates first (`guards/gates.py`: verifier receipt, topology, EOS; their findings
+go into the banner) before any policy weights load, builds (and logs) the components, starts the
+rollout worker process on the SFT checkpoint, writes `banner.json`, runs `ppo.iterations`
+iterations of `PPOTrainer`, saves the final policy as an HF-layout checkpoint (also published as
+the stage's artifact for `eval`), and writes `stage_result.json` atomically, with the alarms of
+the ratio tripwire and the canary (`guards/tripwires.py`, `guards/canary.py`) under
+`summary.alarms`. The SFT checkpoint for the same config is reused, or trained first when there
+is none.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ def _engine(cfg: DictConfig, base_dir: Path, run_dir: Path):
         request_timeout_s=cfg.rollout.request_timeout_s, heartbeat_timeout_s=cfg.rollout.heartbeat_timeout_s)
 
 
-def banner(cfg: DictConfig, tokenizer, shape, base_dir: Path, policy) -> dict:
+def banner(cfg: DictConfig, tokenizer, shape, base_dir: Path, policy, gates: dict) -> dict:
     return {
         "arm": cfg.arm.name, "experiment": cfg.experiment_name, "seed": cfg.seed,
         "shape": {**shape.__dict__, "prompts_per_iteration": cfg.ppo.prompts_per_iteration,
@@ -52,7 +55,35 @@ def banner(cfg: DictConfig, tokenizer, shape, base_dir: Path, policy) -> dict:
                         "bos_token_id": tokenizer.bos_token_id},
         "base_checkpoint": str(base_dir),
         "trainable_policy_parameters": sum(p.numel() for p in policy.policy_parameters()),
+        "gates": gates,
     }
+
+
+def early_gates(cfg: DictConfig, task) -> dict:
+    """The gates that need no model: verifier receipt and topology. Runners call this right after
+    the task is built, before SFT or any weights, so a broken setup fails in seconds.
+
+    Config validation ran in `app.run`; horizon consistency runs when `PPOTrainer` is built.
+    """
+    from prmppo.guards import check_topology, verifier_receipt
+
+    topology = cfg.topology
+    return {"verifier_receipt": verifier_receipt(task, seed=cfg.seed),
+            "topology": check_topology(topology.train_device, topology.engine_device, topology.train_world_size,
+                                       topology.colocated)}
+
+
+def _launch_gates(cfg: DictConfig, base_dir: Path, gates: dict):
+    """The gates that need the checkpoint's files but no weights; returns (tokenizer, tripwire, gates)."""
+    from prmppo.guards import RatioTripwire, derive_eos
+    from prmppo.models.loading import load_tokenizer
+
+    gates = dict(gates)
+    tokenizer = load_tokenizer(base_dir)
+    gates["eos"] = derive_eos(base_dir, tokenizer)
+    tripwire = RatioTripwire(cfg.ppo.max_first_ratio_dev, cfg.ppo.max_engine_logprob_gap)
+    gates["ratio_tripwire"] = tripwire.self_test()
+    return tokenizer, tripwire, gates
 
 
 def _attach_step_scorer(cfg: DictConfig, reward, task, tokenizer, policy, base_dir: Path, run_dir: Path) -> None:
@@ -66,16 +97,39 @@ def _attach_step_scorer(cfg: DictConfig, reward, task, tokenizer, policy, base_d
     reward.attach(scorer, task)
 
 
-def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path) -> dict:
+def _canary(cfg: DictConfig, task, tokenizer, policy, run_dir: Path):
+    """The canary on the policy being trained: greedy accuracy on the first `canary.n_problems` test problems."""
+    from prmppo.evaluation import score
+    from prmppo.guards.canary import Canary
+
+    def greedy_accuracy(problems) -> float:
+        return score(policy.model, tokenizer, task, problems, k=0, temperature=1.0,
+                     max_new_tokens=cfg.ppo.max_new_tokens, batch_rows=cfg.eval.batch_rows,
+                     seed=cfg.seed)["greedy_accuracy"]
+
+    return Canary(task.problems("test")[: cfg.canary.n_problems], cfg.canary.every, cfg.canary.max_drop,
+                  run_dir / "canary.jsonl", greedy_accuracy)
+
+
+def _alarms(iteration: int, metrics: dict, tripwire, canary) -> list[dict]:
+    """This iteration's alarms from the ratio tripwire and the canary, each logged as a warning."""
+    found = [{"iteration": iteration, "tripwire": "ratio", "message": m} for m in tripwire.check(metrics)]
+    found += [{"iteration": iteration, "tripwire": "canary", "message": m} for m in canary.check(iteration)]
+    for alarm in found:
+        log.warning("alarm at ppo it %d: %s", iteration, alarm["message"])
+    return found
+
+
+def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict) -> dict:
     """Run PPO from `base_dir`; returns the summary (final checkpoint path included)."""
     from prmppo.app import build
-    from prmppo.models.loading import load_model, load_tokenizer
+    from prmppo.models.loading import load_model
     from prmppo.ppo.loop import PPOTrainer, save_value_head
     from prmppo.ppo.sync import WeightSync
     from prmppo.stages.runners import train_device
 
+    tokenizer, tripwire, gates = _launch_gates(cfg, base_dir, gates)
     device = train_device(cfg)
-    tokenizer = load_tokenizer(base_dir)
     reward = build(cfg.reward, "reward")
     model = load_model(base_dir, cfg.model.dtype, device)
     policy = build(cfg.lora, "policy", base_model=model, detach_value_hidden=cfg.ppo.detach_value_hidden)
@@ -85,15 +139,19 @@ def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path) -> dict:
     sync = WeightSync(cfg.rollout.sync, cfg.rollout.sync_every_iterations, run_dir / "sync", tokenizer)
     start = time.time()
     history: list[dict] = []
+    alarms: list[dict] = []
+    canary = _canary(cfg, task, tokenizer, policy, run_dir)
     with _engine(cfg, base_dir, run_dir) as engine, MetricsLogger(run_dir, "ppo", cfg.logger.console) as logger:
         trainer = PPOTrainer(policy=policy, tokenizer=tokenizer, task=task, reward=reward, engine=engine, sync=sync,
                              ppo=ppo, logger=logger, device=device, seed=cfg.seed)
-        write_json_atomic(run_dir / "banner.json", banner(cfg, tokenizer, trainer.shape, base_dir, policy))
+        gates["horizon"] = {"policy_optimizer_steps": trainer.shape.policy_steps}  # checked by PPOTrainer
+        write_json_atomic(run_dir / "banner.json", banner(cfg, tokenizer, trainer.shape, base_dir, policy, gates))
         for iteration in tqdm(range(ppo.iterations), desc=f"ppo[{cfg.arm.name}]", unit="it", mininterval=5.0):
             metrics = trainer.iteration(iteration)
             metrics["perf/wall_s"] = time.time() - start
             logger.log(iteration, metrics)
             history.append(metrics)
+            alarms += _alarms(iteration, metrics, tripwire, canary)
             if iteration % 10 == 0 or iteration == ppo.iterations - 1:
                 log.info("ppo it %d: accuracy %.3f reward %.3f kl %.4f engine-gap %.2e", iteration,
                          metrics["rollout/accuracy"], metrics["reward/total_mean"], metrics["ppo/kl_ref"],
@@ -103,7 +161,7 @@ def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path) -> dict:
     save_value_head(policy, final / "value_head.safetensors")
     return {"checkpoint": str(final), "iterations": ppo.iterations, "train_seconds": time.time() - start,
             "policy_steps": trainer.policy_steps_taken, "planned_policy_steps": trainer.shape.policy_steps,
-            "skipped_steps": trainer.skipped_steps,
+            "skipped_steps": trainer.skipped_steps, "alarms": alarms,
             "last_rollout_accuracy": history[-1]["rollout/accuracy"],
             "max_engine_logprob_abs_diff": max(h["rollout/engine_logprob_abs_diff"] for h in history)}
 

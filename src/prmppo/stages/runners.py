@@ -142,12 +142,13 @@ def run_eval(cfg: DictConfig, run_dir: Path) -> dict:
 
 def run_ppo(cfg: DictConfig, run_dir: Path) -> dict:
     from prmppo.app import build
-    from prmppo.stages.ppo import publish_policy, train_ppo
+    from prmppo.stages.ppo import early_gates, publish_policy, train_ppo
 
     start = time.time()
     task = build(cfg.task, "task")
+    gates = early_gates(cfg, task)
     sft_checkpoint, _ = ensure_sft(cfg, task, run_dir, reuse=True)
-    summary = train_ppo(cfg, task, sft_checkpoint, run_dir)
+    summary = train_ppo(cfg, task, sft_checkpoint, run_dir, gates)
     summary["artifact"] = str(publish_policy(cfg, Path(summary["checkpoint"]), summary))
     summary["wall_seconds"] = time.time() - start
     write_stage_result(run_dir, cfg, "ppo", summary)
@@ -161,12 +162,13 @@ def run_pipeline(cfg: DictConfig, run_dir: Path) -> dict:
     inside `train_ppo` when the arm's reward asks for a learned PRM.
     """
     from prmppo.app import build
-    from prmppo.stages.ppo import publish_policy, train_ppo
+    from prmppo.stages.ppo import early_gates, publish_policy, train_ppo
 
     start = time.time()
     task = build(cfg.task, "task")
+    gates = early_gates(cfg, task)
     sft_checkpoint, sft_summary = ensure_sft(cfg, task, run_dir, reuse=True)
-    ppo_summary = train_ppo(cfg, task, sft_checkpoint, run_dir)
+    ppo_summary = train_ppo(cfg, task, sft_checkpoint, run_dir, gates)
     publish_policy(cfg, Path(ppo_summary["checkpoint"]), ppo_summary)
     evaluation = {"sft": _eval_checkpoint(cfg, task, sft_checkpoint),
                   "ppo": _eval_checkpoint(cfg, task, Path(ppo_summary["checkpoint"]))}

@@ -1,0 +1,137 @@
+"""Launch gates: cheap checks that refuse a broken setup before any model weights are loaded.
+
+Run by `stages/ppo.py::train_ppo` in cost order, after config validation (`config/validate.py`):
+  1. `verifier_receipt`  gold solutions must verify (~100%), corrupted ones must not (~0%): a
+                         verifier that passes everything or nothing would make every reward noise;
+  2. `check_topology`    devices exist, world size >= 1, roles on distinct GPUs unless colocated;
+  3. `derive_eos`        config.json, generation_config.json and the tokenizer agree on EOS.
+(Horizon consistency, the last gate, is `ppo.loop.check_horizon`, run when the trainer is built.)
+Each gate returns what it derived, recorded under `"gates"` in `banner.json`, or raises
+`GateError` with a sentence that names the values and what would be valid.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from prmppo.errors import PrmppoError
+
+
+class GateError(PrmppoError):
+    """A launch gate refused the setup; the message says which gate, what it saw and why it matters."""
+
+
+def _examples(rows: list[tuple[str, str]], limit: int = 3) -> str:
+    return " | ".join(f"problem {q!r} -> response {r!r}" for q, r in rows[:limit])
+
+
+def verifier_receipt(task, n: int = 200, seed: int = 0, min_gold: float = 0.99, max_corrupt: float = 0.01) -> dict:
+    """Verify `n` gold and `n` corrupted `test` solutions; refuse a verifier that cannot tell them apart.
+
+    A corrupted solution has one reasoning step made wrong (`task.corrupt` at a random step),
+    which also makes its final answer wrong, so a working verifier rejects it.
+    """
+    problems = task.problems("test")[:n]
+    if not problems:
+        raise GateError(f"verifier receipt: task {task.name!r} has no `test` problems to check its verifier on")
+    rng = random.Random(seed)
+    gold_failed, corrupt_passed = [], []
+    for problem in problems:
+        if not task.verify(problem, problem.solution):
+            gold_failed.append((problem.question, problem.solution))
+        positions = len(task.split_steps(problem.solution)) - 1  # the last step is the answer line
+        corrupted = task.corrupt(problem, rng.randrange(max(positions, 1)), rng)
+        if task.verify(problem, corrupted):
+            corrupt_passed.append((problem.question, corrupted))
+    gold_rate = 1 - len(gold_failed) / len(problems)
+    corrupt_rate = len(corrupt_passed) / len(problems)
+    receipt = {"n_problems": len(problems), "gold_pass_rate": gold_rate, "corrupted_pass_rate": corrupt_rate,
+               "min_gold": min_gold, "max_corrupt": max_corrupt}
+    problems_found = []
+    if gold_rate < min_gold:
+        problems_found.append(f"gold solutions verify at {gold_rate:.3f} < {min_gold} (the verifier rejects right "
+                              f"answers), e.g. {_examples(gold_failed)}")
+    if corrupt_rate > max_corrupt:
+        problems_found.append(f"corrupted solutions verify at {corrupt_rate:.3f} > {max_corrupt} (the verifier "
+                              f"accepts wrong answers), e.g. {_examples(corrupt_passed)}")
+    if problems_found:
+        raise GateError(f"verifier receipt of task {task.name!r} on {len(problems)} test problems failed: "
+                        + "; ".join(problems_found) + ". Rewards from this verifier would be noise; fix the "
+                        "task's verify/extract_answer before training")
+    return receipt
+
+
+def _cuda_index(device: str, default: int) -> int | None:
+    """GPU index of a device string (`cuda` -> `default`), or None for a non-CUDA device."""
+    parsed = torch.device(device)
+    if parsed.type != "cuda":
+        return None
+    return default if parsed.index is None else parsed.index
+
+
+def check_topology(train_device: str, engine_device: str, world_size: int, colocated: bool,
+                   visible_gpus: int | None = None) -> dict:
+    """Refuse devices that do not exist and roles that share a GPU without `colocated`; return the layout.
+
+    `visible_gpus` defaults to `torch.cuda.device_count()`; training ranks use GPUs
+    0..world_size-1 when `train_device` is plain `cuda`.
+    """
+    visible = torch.cuda.device_count() if visible_gpus is None else visible_gpus
+    if world_size < 1:
+        raise GateError(f"topology.train_world_size={world_size} must be >= 1")
+    train_base = _cuda_index(train_device, 0)
+    engine_gpu = _cuda_index(engine_device, 0)
+    for key, value, index in (("train_device", train_device, train_base), ("engine_device", engine_device, engine_gpu)):
+        if index is not None and visible == 0:
+            raise GateError(f"topology.{key}={value!r} but no CUDA device is visible; use topology=cpu")
+    train_gpus = [] if train_base is None else list(range(train_base, train_base + world_size))
+    if train_base is None and world_size > 1:
+        raise GateError(f"topology.train_world_size={world_size} needs one GPU per rank, but "
+                        f"topology.train_device={train_device!r}; use 1 on the CPU")
+    used = train_gpus + ([engine_gpu] if engine_gpu is not None else [])
+    if used and max(used) >= visible:
+        raise GateError(f"topology needs GPU index {max(used)} (train ranks on {train_gpus}, engine on "
+                        f"{engine_device!r}) but only {visible} GPU(s) are visible (indices 0..{visible - 1})")
+    if engine_gpu is not None and engine_gpu in train_gpus and not colocated:
+        raise GateError(f"topology.engine_device={engine_device!r} is also training GPU {engine_gpu} (train ranks on "
+                        f"{train_gpus}) and topology.colocated=false: the two roles would contend for one GPU's "
+                        "memory; choose a distinct engine_device or set topology.colocated=true")
+    return {"train_device": train_device, "train_gpus": train_gpus, "engine_device": engine_device,
+            "engine_gpu": engine_gpu, "world_size": world_size, "colocated": colocated, "visible_gpus": visible}
+
+
+def _eos_ids(value) -> list[int] | None:
+    if value is None:
+        return None
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def derive_eos(model_dir: str | Path, tokenizer) -> dict:
+    """The EOS id the run uses: the tokenizer's, which config.json and generation_config.json must contain.
+
+    Files that do not state an EOS are not consulted; every file that does must agree.
+    """
+    root = Path(model_dir)
+    token_id = tokenizer.eos_token_id
+    derived: dict = {"eos_token_id": token_id, "eos_token": tokenizer.eos_token}
+    for name in ("config.json", "generation_config.json"):
+        path = root / name
+        if not path.exists():
+            derived[name] = None
+            continue
+        try:
+            stated = _eos_ids(json.loads(path.read_text()).get("eos_token_id"))
+        except (json.JSONDecodeError, TypeError, ValueError) as err:
+            raise GateError(f"{path}: cannot read its eos_token_id ({err})") from None
+        derived[name] = stated
+        if stated is not None and token_id not in stated:
+            raise GateError(
+                f"EOS disagrees: {path} says eos_token_id={stated} but the tokenizer in {root} says "
+                f"{token_id} ({tokenizer.eos_token!r}). The engine stops sampling on one id and the reward lands "
+                "on the last token by the other, so responses would never stop or rewards would land on the "
+                f"wrong token; make {name} and the tokenizer name the same EOS")
+    return derived

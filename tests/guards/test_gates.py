@@ -1,0 +1,154 @@
+"""Every launch gate passes a sound setup and refuses a broken one with a sentence that says why."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from prmppo.errors import PrmppoError
+from prmppo.guards.gates import GateError, check_topology, derive_eos, verifier_receipt
+from prmppo.models.loading import load_tokenizer
+from prmppo.models.tiny import TinyModelSource
+from prmppo.ppo.loop import HorizonError, Shape, check_horizon
+from prmppo.tasks import ArithTask
+
+
+@pytest.fixture(scope="module")
+def task():
+    return ArithTask(sft_size=10, train_size=10, test_size=50)
+
+
+class _ConstantVerifier(ArithTask):
+    """ArithTask whose verifier ignores the response and always answers `verdict`."""
+
+    def __init__(self, verdict: bool):
+        super().__init__(sft_size=10, train_size=10, test_size=50)
+        self.verdict = verdict
+
+    def verify(self, problem, response):
+        return self.verdict
+
+
+# --------------------------------------------------------------------------- verifier receipt
+
+def test_verifier_receipt_passes_the_real_arith_verifier(task):
+    receipt = verifier_receipt(task, n=50)
+    assert receipt["n_problems"] == 50
+    assert receipt["gold_pass_rate"] == 1.0 and receipt["corrupted_pass_rate"] == 0.0
+
+
+def test_verifier_receipt_refuses_a_verifier_that_passes_everything():
+    with pytest.raises(GateError) as err:
+        verifier_receipt(_ConstantVerifier(True), n=50)
+    message = str(err.value)
+    assert "corrupted solutions verify at 1.000 > 0.01" in message
+    assert "gold solutions" not in message  # gold ones do verify: only the corrupted rate is wrong
+    assert message.count("problem '") == 3  # up to 3 examples shown
+    assert isinstance(err.value, PrmppoError)
+
+
+def test_verifier_receipt_refuses_a_verifier_that_passes_nothing():
+    with pytest.raises(GateError, match=r"gold solutions verify at 0.000 < 0.99") as err:
+        verifier_receipt(_ConstantVerifier(False), n=50)
+    assert "corrupted solutions verify" not in str(err.value)
+
+
+def test_verifier_receipt_thresholds_are_respected(task):
+    # the real verifier passes 100% of gold: demanding more than that cannot be met
+    with pytest.raises(GateError, match="gold solutions verify at 1.000 < 1.5"):
+        verifier_receipt(task, n=20, min_gold=1.5)
+
+
+# --------------------------------------------------------------------------- topology
+
+def test_topology_accepts_cpu_and_reports_the_layout():
+    derived = check_topology("cpu", "cpu", 1, False, visible_gpus=0)
+    assert derived["train_gpus"] == [] and derived["engine_gpu"] is None and derived["world_size"] == 1
+
+
+def test_topology_refuses_cuda_when_no_gpu_is_visible():
+    with pytest.raises(GateError, match=r"topology.train_device='cuda' but no CUDA device is visible"):
+        check_topology("cuda", "cpu", 1, False, visible_gpus=0)
+    with pytest.raises(GateError, match=r"topology.engine_device='cuda:0' but no CUDA device is visible"):
+        check_topology("cpu", "cuda:0", 1, False, visible_gpus=0)
+
+
+def test_topology_refuses_a_world_size_below_one():
+    with pytest.raises(GateError, match=r"topology.train_world_size=0 must be >= 1"):
+        check_topology("cpu", "cpu", 0, False, visible_gpus=0)
+
+
+def test_topology_refuses_two_roles_on_one_gpu_unless_colocated():
+    with pytest.raises(GateError, match=r"engine_device='cuda:3' is also training GPU 3 .*colocated=false"):
+        check_topology("cuda", "cuda:3", 4, False, visible_gpus=8)
+    derived = check_topology("cuda", "cuda:0", 1, True, visible_gpus=1)  # the `gpu` topology
+    assert derived["train_gpus"] == [0] and derived["engine_gpu"] == 0
+    derived = check_topology("cuda", "cuda:7", 7, False, visible_gpus=8)  # the `fsdp` topology
+    assert derived["train_gpus"] == list(range(7)) and derived["engine_gpu"] == 7
+
+
+def test_topology_refuses_a_gpu_index_that_is_not_visible():
+    with pytest.raises(GateError, match=r"needs GPU index 7 .* only 2 GPU\(s\) are visible"):
+        check_topology("cuda", "cuda:7", 1, False, visible_gpus=2)
+
+
+# --------------------------------------------------------------------------- EOS
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128)
+    return TinyModelSource(**small).materialize(ArithTask(sft_size=10, train_size=10, test_size=4),
+                                                tmp_path_factory.mktemp("m") / "tiny")
+
+
+def _copy_with_config(tiny_dir, tmp_path, **edits):
+    import shutil
+
+    target = tmp_path / "model"
+    shutil.copytree(tiny_dir, target)
+    for name, value in edits.items():
+        path = target / name
+        data = json.loads(path.read_text()) if path.exists() else {}
+        data["eos_token_id"] = value
+        path.write_text(json.dumps(data))
+    return target
+
+
+def test_derive_eos_agrees_on_the_tiny_model(tiny_dir):
+    tokenizer = load_tokenizer(tiny_dir)
+    derived = derive_eos(tiny_dir, tokenizer)
+    assert derived["eos_token_id"] == tokenizer.eos_token_id == 2
+    assert derived["config.json"] == [2]
+
+
+def test_derive_eos_accepts_a_list_that_contains_the_tokenizer_eos(tiny_dir, tmp_path):
+    model_dir = _copy_with_config(tiny_dir, tmp_path, **{"config.json": [7, 2]})
+    assert derive_eos(model_dir, load_tokenizer(model_dir))["config.json"] == [7, 2]
+
+
+def test_derive_eos_refuses_a_config_that_disagrees_with_the_tokenizer(tiny_dir, tmp_path):
+    model_dir = _copy_with_config(tiny_dir, tmp_path, **{"config.json": 5})
+    with pytest.raises(GateError, match=r"config.json says eos_token_id=\[5\] but the tokenizer .* says 2") as err:
+        derive_eos(model_dir, load_tokenizer(model_dir))
+    assert "never stop" in str(err.value) and "wrong token" in str(err.value)
+
+
+def test_derive_eos_refuses_a_generation_config_that_disagrees(tiny_dir, tmp_path):
+    model_dir = _copy_with_config(tiny_dir, tmp_path, **{"generation_config.json": [0, 1]})
+    with pytest.raises(GateError, match=r"generation_config.json says eos_token_id=\[0, 1\]"):
+        derive_eos(model_dir, load_tokenizer(model_dir))
+
+
+# --------------------------------------------------------------------------- horizon
+
+def test_horizon_refuses_a_schedule_that_ends_before_the_run():
+    ppo = SimpleNamespace(prompts_per_iteration=4, n_samples_per_prompt=2, minibatch_rows=4, micro_batch_rows=2,
+                          iterations=3, value_warmup_iterations=1, ppo_epochs=2)
+    shape = Shape.derive(ppo)
+    assert shape.policy_steps == (3 - 1) * 2 * 2  # (iterations - warmup) * epochs * minibatches per epoch
+    check_horizon(8, shape, ppo)
+    with pytest.raises(HorizonError, match=r"spans 6 steps but the run takes 8 policy optimizer steps"):
+        check_horizon(6, shape, ppo)
