@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from prmppo.errors import PrmppoError
 from prmppo.ppo.maths import make_scheduler
 
 IGNORE = -100  # label of positions that carry no loss (prompt and padding)
@@ -40,13 +41,14 @@ class SFTBatchSource:
         for problem in problems:
             prompt = tokenizer(task.format_prompt(problem))["input_ids"]
             response = tokenizer(problem.solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            ids = prompt + response
-            if len(ids) > max_length:
-                raise ValueError(
-                    f"an SFT example has {len(ids)} tokens, more than the model's max_position_embeddings="
-                    f"{max_length}; raise model.max_position_embeddings or shorten the task's chains")
-            rows.append(ids)
+            rows.append(prompt + response)
             labels.append([IGNORE] * len(prompt) + response)
+        too_long = sum(len(ids) > max_length for ids in rows)
+        if too_long:
+            raise PrmppoError(
+                f"{too_long} of {len(rows)} SFT examples exceed the model's max_position_embeddings={max_length} "
+                f"(the longest has {max(map(len, rows))} tokens); raise model.max_position_embeddings (model=tiny) "
+                "or use shorter problems")
         longest = max(map(len, rows))
         input_ids = torch.full((len(rows), longest), tokenizer.pad_token_id, dtype=torch.long)
         label_tensor = torch.full((len(rows), longest), IGNORE, dtype=torch.long)
