@@ -5,7 +5,9 @@ Hydra. `python -m prmppo --help` lists the config groups and their options; `--c
 prints the composed config.
 
 Exit codes: 0 success; 1 crash (a bug or an unexpected failure, with a traceback);
-2 refused (bad config, bad input file, failed launch gate: one line saying why).
+2 refused (bad config, bad input file, failed launch gate: one line saying why);
+3 stopped (SIGTERM or `max_wall_seconds`: a checkpoint was saved; relaunch the same command with
+the same run dir, `hydra.run.dir=<dir>`, to resume).
 """
 
 import sys
@@ -15,7 +17,7 @@ import hydra
 from omegaconf import DictConfig
 
 from prmppo.config.schema import register_schemas
-from prmppo.errors import EXIT_REFUSED, PrmppoError
+from prmppo.errors import EXIT_REFUSED, EXIT_STOPPED, PrmppoError, StopRequested
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
@@ -31,6 +33,9 @@ def main(cfg: DictConfig) -> None:
     except PrmppoError as err:
         print(f"prmppo: refused: {err}", file=sys.stderr)
         sys.exit(EXIT_REFUSED)
+    except StopRequested as stop:
+        print(f"prmppo: {stop}", file=sys.stderr)
+        sys.exit(EXIT_STOPPED)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,30 @@ the stage's artifact for `eval`), and writes `stage_result.json` atomically, wit
 the ratio tripwire and the canary (`guards/tripwires.py`, `guards/canary.py`) under
 `summary.alarms`. The SFT checkpoint for the same config is reused, or trained first when there
 is none.
+
+Stop and resume (`ppo/checkpoint.py`): a resumable checkpoint is saved every
+`checkpoint_every(ppo.iterations, rollout.sync_every_iterations)` iterations (about 4 per run, on
+sync boundaries), after the last iteration and at a coordinated stop. SIGTERM or `max_wall_seconds`
+(root key, seconds since PPO started in this launch; 0 = unlimited) stops after the current
+iteration: checkpoint, worker closed, `stage_result.json` with `"stopped"`, exit code 3.
+Relaunching the same command with the same run dir resumes from the newest complete checkpoint,
+pushes its weights to the engine before the first request, and drops metrics/canary rows of
+iterations after it. Simplification: a stop between sync boundaries (sync_every_iterations > 1)
+resumes with the engine on the current weights, where the uninterrupted run would still sample
+with the last synced ones.
+
+    python -m prmppo stage=ppo debug=smoke ppo.iterations=4 max_wall_seconds=1 hydra.run.dir=runs/r  # exit 3
+    python -m prmppo stage=ppo debug=smoke ppo.iterations=4 hydra.run.dir=runs/r                     # resumes
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +43,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from prmppo import artifacts
+from prmppo.errors import StopRequested
 from prmppo.logger import MetricsLogger, write_json_atomic
 
 log = logging.getLogger("prmppo")
@@ -111,6 +130,13 @@ def _canary(cfg: DictConfig, task, tokenizer, policy, run_dir: Path):
                   run_dir / "canary.jsonl", greedy_accuracy)
 
 
+def _log_progress(iteration: int, iterations: int, metrics: dict) -> None:
+    if iteration % 10 == 0 or iteration == iterations - 1:
+        log.info("ppo it %d: accuracy %.3f reward %.3f kl %.4f engine-gap %.2e", iteration,
+                 metrics["rollout/accuracy"], metrics["reward/total_mean"], metrics["ppo/kl_ref"],
+                 metrics["rollout/engine_logprob_abs_diff"])
+
+
 def _alarms(iteration: int, metrics: dict, tripwire, canary) -> list[dict]:
     """This iteration's alarms from the ratio tripwire and the canary, each logged as a warning."""
     found = [{"iteration": iteration, "tripwire": "ratio", "message": m} for m in tripwire.check(metrics)]
@@ -120,13 +146,100 @@ def _alarms(iteration: int, metrics: dict, tripwire, canary) -> list[dict]:
     return found
 
 
+class _StopFlag:
+    """A coordinated stop request, read at iteration boundaries (an optimizer-step boundary).
+
+    SIGTERM only sets the flag (the handler does no work, so a step is never torn); the wall
+    clock sets it once `max_wall_seconds` (> 0) have passed since PPO training started in this
+    launch. The previous SIGTERM handler is restored on exit.
+    """
+
+    def __init__(self, max_wall_seconds: float, start: float):
+        self.max_wall_seconds, self.start = max_wall_seconds, start
+        self.reason: str | None = None
+        self._previous = None
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.reason = self.reason or "sigterm"
+
+    def __enter__(self) -> "_StopFlag":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+    def check(self) -> str | None:
+        if self.reason is None and 0 < self.max_wall_seconds <= time.time() - self.start:
+            self.reason = "max_wall_seconds"
+        return self.reason
+
+
+def _trim_jsonl(path: Path, keep) -> list[dict]:
+    """Rewrite `path` atomically with only the rows `keep(row)` accepts; returns them."""
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    kept = [row for row in rows if keep(row)]
+    if len(kept) != len(rows):
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        os.replace(tmp, path)
+    return kept
+
+
+def _trim_run_files(run_dir: Path, start_iteration: int) -> list[dict]:
+    """Drop PPO rows of iterations >= `start_iteration` (logged after the checkpoint, before a kill) from
+    metrics.jsonl and canary.jsonl, so each reads as one run; returns the kept PPO metrics rows."""
+    rows = _trim_jsonl(run_dir / "metrics.jsonl", lambda r: r["stage"] != "ppo" or r["step"] < start_iteration)
+    _trim_jsonl(run_dir / "canary.jsonl", lambda r: r["iteration"] < start_iteration)
+    return [row for row in rows if row["stage"] == "ppo"]
+
+
+def _resume(checkpoint: Path | None, policy, trainer, sync, canary) -> list[dict]:
+    """Load `checkpoint` (if any) into the policy and trainer and make the engine serve it; returns its alarms."""
+    from prmppo.ppo.checkpoint import load_checkpoint, read_meta
+
+    if checkpoint is None:
+        return []
+    next_iteration = load_checkpoint(checkpoint, policy, trainer)
+    extra = read_meta(checkpoint)["extra"]
+    canary.best, canary.best_iteration = extra["canary_best"], extra["canary_best_iteration"]
+    sync.push(policy)  # the first request after a resume must name the resumed weights, not the SFT base
+    log.info("resumed from %s at ppo iteration %d (%d policy steps taken)", checkpoint, next_iteration,
+             trainer.policy_steps_taken)
+    return list(extra["alarms"])
+
+
+def _save(run_dir: Path, next_iteration: int, policy, trainer, canary, alarms: list[dict], keep: int) -> Path:
+    from prmppo.ppo.checkpoint import prune_checkpoints, save_checkpoint
+
+    extra = {"alarms": alarms, "canary_best": canary.best, "canary_best_iteration": canary.best_iteration}
+    saved = save_checkpoint(run_dir / "checkpoints", next_iteration, policy, trainer, extra)
+    prune_checkpoints(run_dir / "checkpoints", keep)
+    return saved
+
+
+def _summary(trainer, ppo, history: list[dict], alarms: list[dict], start: float) -> dict:
+    return {"iterations": ppo.iterations, "train_seconds": time.time() - start,
+            "policy_steps": trainer.policy_steps_taken, "planned_policy_steps": trainer.shape.policy_steps,
+            "skipped_steps": trainer.skipped_steps, "alarms": alarms,
+            "last_rollout_accuracy": history[-1]["rollout/accuracy"] if history else None,
+            "max_engine_logprob_abs_diff": max((h["rollout/engine_logprob_abs_diff"] for h in history), default=None)}
+
+
 def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict) -> dict:
-    """Run PPO from `base_dir`; returns the summary (final checkpoint path included)."""
+    """Run PPO from `base_dir`, or resume from the newest complete checkpoint in `run_dir`; returns
+    the summary (final checkpoint path included). A coordinated stop saves, closes the worker,
+    writes `stage_result.json` with `stopped` and raises `StopRequested` (exit code 3)."""
     from prmppo.app import build
     from prmppo.models.loading import load_model
+    from prmppo.ppo.checkpoint import checkpoint_every, latest_checkpoint, read_meta
     from prmppo.ppo.loop import PPOTrainer, save_value_head
     from prmppo.ppo.sync import WeightSync
-    from prmppo.stages.runners import train_device
+    from prmppo.stages.runners import train_device, write_stage_result
 
     tokenizer, tripwire, gates = _launch_gates(cfg, base_dir, gates)
     device = train_device(cfg)
@@ -137,33 +250,43 @@ def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict)
         _attach_step_scorer(cfg, reward, task, tokenizer, policy, base_dir, run_dir)
     ppo = OmegaConf.to_object(cfg.ppo)
     sync = WeightSync(cfg.rollout.sync, cfg.rollout.sync_every_iterations, run_dir / "sync", tokenizer)
+    every = checkpoint_every(ppo.iterations, cfg.rollout.sync_every_iterations)
+    checkpoint = latest_checkpoint(run_dir)
+    first = read_meta(checkpoint)["next_iteration"] if checkpoint else 0
+    history = _trim_run_files(run_dir, first)
     start = time.time()
-    history: list[dict] = []
-    alarms: list[dict] = []
     canary = _canary(cfg, task, tokenizer, policy, run_dir)
-    with _engine(cfg, base_dir, run_dir) as engine, MetricsLogger(run_dir, "ppo", cfg.logger.console) as logger:
+    with _engine(cfg, base_dir, run_dir) as engine, MetricsLogger(run_dir, "ppo", cfg.logger.console) as logger, \
+            _StopFlag(cfg.max_wall_seconds, start) as stop:
         trainer = PPOTrainer(policy=policy, tokenizer=tokenizer, task=task, reward=reward, engine=engine, sync=sync,
                              ppo=ppo, logger=logger, device=device, seed=cfg.seed)
         gates["horizon"] = {"policy_optimizer_steps": trainer.shape.policy_steps}  # checked by PPOTrainer
         write_json_atomic(run_dir / "banner.json", banner(cfg, tokenizer, trainer.shape, base_dir, policy, gates))
-        for iteration in tqdm(range(ppo.iterations), desc=f"ppo[{cfg.arm.name}]", unit="it", mininterval=5.0):
+        alarms = _resume(checkpoint, policy, trainer, sync, canary)
+        stopped = None
+        for iteration in tqdm(range(first, ppo.iterations), desc=f"ppo[{cfg.arm.name}]", unit="it",
+                              initial=first, total=ppo.iterations, mininterval=5.0):
             metrics = trainer.iteration(iteration)
             metrics["perf/wall_s"] = time.time() - start
             logger.log(iteration, metrics)
             history.append(metrics)
             alarms += _alarms(iteration, metrics, tripwire, canary)
-            if iteration % 10 == 0 or iteration == ppo.iterations - 1:
-                log.info("ppo it %d: accuracy %.3f reward %.3f kl %.4f engine-gap %.2e", iteration,
-                         metrics["rollout/accuracy"], metrics["reward/total_mean"], metrics["ppo/kl_ref"],
-                         metrics["rollout/engine_logprob_abs_diff"])
+            _log_progress(iteration, ppo.iterations, metrics)
+            last = iteration == ppo.iterations - 1
+            if stop.check() or last or (iteration + 1) % every == 0:
+                checkpoint = _save(run_dir, iteration + 1, policy, trainer, canary, alarms, ppo.keep_checkpoints)
+            if stop.reason and not last:
+                stopped = stop.reason
+                break
+    summary = _summary(trainer, ppo, history, alarms, start)
+    if stopped:  # the worker is closed; the checkpoint just saved is where a relaunch continues
+        summary.update(stopped=stopped, checkpoint=str(checkpoint))
+        write_stage_result(run_dir, cfg, "ppo", summary)
+        raise StopRequested(stopped, str(checkpoint))
     final = run_dir / "checkpoints" / "final"
     policy.save_merged(final, tokenizer)
     save_value_head(policy, final / "value_head.safetensors")
-    return {"checkpoint": str(final), "iterations": ppo.iterations, "train_seconds": time.time() - start,
-            "policy_steps": trainer.policy_steps_taken, "planned_policy_steps": trainer.shape.policy_steps,
-            "skipped_steps": trainer.skipped_steps, "alarms": alarms,
-            "last_rollout_accuracy": history[-1]["rollout/accuracy"],
-            "max_engine_logprob_abs_diff": max(h["rollout/engine_logprob_abs_diff"] for h in history)}
+    return {"checkpoint": str(final), **summary}
 
 
 def publish_policy(cfg: DictConfig, checkpoint: Path, summary: dict) -> Path:

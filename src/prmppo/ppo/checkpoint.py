@@ -1,0 +1,190 @@
+"""Resumable PPO checkpoints: `<run_dir>/checkpoints/it<NNNNNN>/`, NNNNNN = the next iteration to run.
+
+A checkpoint holds everything a relaunch needs to continue as if never stopped:
+  adapter/ or model.safetensors   the trainable weights (peft adapter save, or the full model)
+  value_head.safetensors          the critic
+  optim.pt                        both AdamW state dicts and the LR scheduler's state dict
+  rng.pt                          torch CPU (and CUDA) generator states
+  checkpoint.json                 counters; written LAST, so its presence marks a complete checkpoint
+
+Everything is written under `it<NNNNNN>.partial` and renamed, so a kill during the write leaves
+a `.partial` dir that `latest_checkpoint` never picks. `.pt` files hold only tensors and plain
+containers and are read back with `torch.load(..., weights_only=True)`: no pickled code runs.
+Data order needs no state: prompt order, sampling seeds and minibatch permutations are pure
+functions of the seed and the iteration index (`ppo/loop.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, load_model, save_file, save_model
+
+from prmppo.errors import PrmppoError
+from prmppo.logger import write_json_atomic
+
+MARKER = "checkpoint.json"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(PrmppoError):
+    """A checkpoint that does not fit the run resuming from it."""
+
+
+def checkpoint_name(next_iteration: int) -> str:
+    return f"it{next_iteration:06d}"
+
+
+def _is_lora(policy) -> bool:
+    return hasattr(policy.model, "peft_config")
+
+
+def _save_weights(out_dir: Path, policy) -> None:
+    if _is_lora(policy):
+        policy.save_adapter(out_dir / "adapter")
+    else:
+        save_model(policy.model, str(out_dir / "model.safetensors"))  # handles tied embeddings
+
+
+def _load_weights(ckpt_dir: Path, policy) -> None:
+    if _is_lora(policy):
+        from peft import set_peft_model_state_dict
+
+        from prmppo.models.policy import POLICY_ADAPTER
+
+        files = sorted((ckpt_dir / "adapter").rglob("adapter_model.safetensors"))
+        if len(files) != 1:
+            raise CheckpointError(f"{ckpt_dir}/adapter holds {len(files)} adapter_model.safetensors files, "
+                                  "expected 1: the checkpoint is damaged or from a different lora setting")
+        result = set_peft_model_state_dict(policy.model, load_file(str(files[0])), adapter_name=POLICY_ADAPTER)
+        missing = [k for k in result.missing_keys if "lora_" in k and f".{POLICY_ADAPTER}." in k]
+        if missing:
+            raise CheckpointError(f"{files[0]} lacks {len(missing)} adapter tensors, e.g. {missing[0]}")
+    else:
+        path = ckpt_dir / "model.safetensors"
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing: the checkpoint is from lora=adapter, this run is lora=none")
+        load_model(policy.model, str(path))
+
+
+def save_checkpoint(checkpoints_dir: Path, next_iteration: int, policy, trainer, extra: dict | None = None) -> Path:
+    """Write a complete checkpoint for resuming at `next_iteration`; returns its directory.
+
+    `extra`: JSON-able run state beside the trainer's (alarms, canary best), returned in `read_meta`.
+    """
+    final = Path(checkpoints_dir) / checkpoint_name(next_iteration)
+    tmp = final.with_name(final.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    _save_weights(tmp, policy)
+    save_file({k: v.detach().cpu().contiguous() for k, v in policy.value_head.state_dict().items()},
+              str(tmp / "value_head.safetensors"))
+    torch.save({"policy_optimizer": trainer.policy_optimizer.state_dict(),
+                "value_optimizer": trainer.value_optimizer.state_dict(),
+                "scheduler": trainer.scheduler.state_dict()}, tmp / "optim.pt")
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save(rng, tmp / "rng.pt")
+    budget = trainer.skip_budget
+    write_json_atomic(tmp / MARKER, {
+        "format": FORMAT_VERSION, "next_iteration": next_iteration,
+        "policy_steps_taken": trainer.policy_steps_taken, "skipped_steps": trainer.skipped_steps,
+        "planned_policy_steps": trainer.shape.policy_steps,
+        "skip_budget": {"skipped": budget.skipped, "consecutive": budget.consecutive, "steps": budget.steps},
+        "files": {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()},
+        "extra": extra or {}})
+    shutil.rmtree(final, ignore_errors=True)  # a re-save of the same iteration after a resume
+    tmp.rename(final)
+    return final
+
+
+def _is_complete(path: Path) -> bool:
+    return path.is_dir() and not path.name.endswith(".partial") and (path / MARKER).is_file()
+
+
+def list_checkpoints(checkpoints_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (the zero-padded name sorts by iteration)."""
+    checkpoints_dir = Path(checkpoints_dir)
+    if not checkpoints_dir.is_dir():
+        return []
+    return sorted(p for p in checkpoints_dir.glob("it*") if _is_complete(p))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint under `<run_dir>/checkpoints`, or None."""
+    found = list_checkpoints(Path(run_dir) / "checkpoints")
+    return found[-1] if found else None
+
+
+def prune_checkpoints(checkpoints_dir: Path, keep: int, pinned: tuple[Path, ...] = ()) -> list[Path]:
+    """Delete all but the newest `keep` (>= 1) complete checkpoints and any pinned; returns those deleted.
+
+    Leftover `.partial` dirs (a save killed midway) are deleted too.
+    """
+    complete = list_checkpoints(checkpoints_dir)
+    keep_set = set(complete[-max(keep, 1):]) | {Path(p) for p in pinned}
+    doomed = [p for p in complete if p not in keep_set]
+    doomed += sorted(Path(checkpoints_dir).glob("it*.partial"))
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def _read_marker(ckpt_dir: Path) -> dict:
+    marker = Path(ckpt_dir) / MARKER
+    try:
+        meta = json.loads(marker.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{marker} is unreadable ({err}): not a complete checkpoint") from err
+    for name, size in meta["files"].items():
+        path = Path(ckpt_dir) / name
+        if not path.is_file() or path.stat().st_size != size:
+            raise CheckpointError(f"{path} is missing or truncated (expected {size} bytes): the checkpoint "
+                                  f"{ckpt_dir} is damaged; delete it to resume from the one before")
+    return meta
+
+
+def read_meta(ckpt_dir: Path) -> dict:
+    """`checkpoint.json` of a complete checkpoint (counters, `next_iteration`, `extra`), after checking
+    that every file it lists is present at its recorded size."""
+    return _read_marker(ckpt_dir)
+
+
+def load_checkpoint(ckpt_dir: Path, policy, trainer) -> int:
+    """Restore weights, value head, optimizers, scheduler, counters and RNG; returns the next iteration."""
+    ckpt_dir = Path(ckpt_dir)
+    meta = _read_marker(ckpt_dir)
+    if meta["planned_policy_steps"] != trainer.shape.policy_steps:
+        raise CheckpointError(
+            f"{ckpt_dir} was written by a run of {meta['planned_policy_steps']} planned policy optimizer steps; "
+            f"this config plans {trainer.shape.policy_steps}: resume with the same ppo settings or use a new run dir")
+    _load_weights(ckpt_dir, policy)
+    policy.value_head.load_state_dict(load_file(str(ckpt_dir / "value_head.safetensors"),
+                                                device=str(next(policy.value_head.parameters()).device)))
+    optim = torch.load(ckpt_dir / "optim.pt", weights_only=True, map_location="cpu")
+    trainer.policy_optimizer.load_state_dict(optim["policy_optimizer"])  # moves state to the params' device
+    trainer.value_optimizer.load_state_dict(optim["value_optimizer"])
+    trainer.scheduler.load_state_dict(optim["scheduler"])
+    rng = torch.load(ckpt_dir / "rng.pt", weights_only=True)
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    trainer.policy_steps_taken = meta["policy_steps_taken"]
+    trainer.skipped_steps = meta["skipped_steps"]
+    for key, value in meta["skip_budget"].items():
+        setattr(trainer.skip_budget, key, value)
+    return int(meta["next_iteration"])
+
+
+def checkpoint_every(iterations: int, sync_every_iterations: int) -> int:
+    """Iterations between periodic checkpoints: about 4 per run, a multiple of the sync period.
+
+    On a multiple of the sync period the engine serves exactly the checkpointed weights, so a
+    resume (which pushes the checkpointed weights) samples what the uninterrupted run sampled.
+    """
+    quarter = -(-iterations // 4)  # ceil
+    return -(-max(sync_every_iterations, quarter) // sync_every_iterations) * sync_every_iterations
