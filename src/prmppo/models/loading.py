@@ -106,7 +106,8 @@ def load_model(path: str | Path, dtype: str = "float32", device: str | torch.dev
     check_model_dir(path)
     if dtype not in DTYPES:
         raise ModelDirError(f"model.dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-    model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=DTYPES[dtype])
+    model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=DTYPES[dtype],
+                                                 use_safetensors=True)
     return model.to(device).eval()
 
 

@@ -128,7 +128,8 @@ class HFEngine:
         from transformers import AutoModelForCausalLM
 
         LOG.info("loading HF weights from %s (dtype=%s, device=%s)", model_dir, self.dtype, self.device)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=self.dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=self.dtype,
+                                                     use_safetensors=True)
         return model.to(self.device).eval()
 
     def _use_base(self) -> None:
