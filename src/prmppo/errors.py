@@ -25,3 +25,11 @@ class StopRequested(Exception):
 
 EXIT_REFUSED = 2
 EXIT_STOPPED = 3
+
+
+class DataError(PrmppoError, ValueError):
+    """A data file or row that cannot be used; the message names the file (and line)."""
+
+
+class DataFileMissing(PrmppoError, FileNotFoundError):
+    """A configured data file does not exist; the message names the path and the config key."""

@@ -95,3 +95,30 @@ def test_sigterm_stops_with_exit_code_3_and_a_resumable_checkpoint(tmp_path):
     heartbeat = json.loads((run_dir / "spool" / "heartbeat.json").read_text())
     with pytest.raises(ProcessLookupError):  # the worker was closed, not orphaned
         os.kill(heartbeat["pid"], 0)
+
+
+def test_canary_alarm_pins_the_best_checkpoint_against_pruning(tmp_path, monkeypatch):
+    # the smoke policy's real canary accuracy is 0 throughout: script it. Best at iteration 1
+    # (checkpoint it000002), a drop at iteration 2 (alarm: pin it), a new best at iteration 3.
+    import prmppo.stages.ppo as ppo_stage
+
+    accuracies, real_canary = iter([0.5, 0.9, 0.3, 1.0]), ppo_stage._canary
+
+    def scripted_canary(*args, **kwargs):
+        canary = real_canary(*args, **kwargs)
+        canary.evaluate = lambda problems: next(accuracies)
+        return canary
+
+    monkeypatch.setattr(ppo_stage, "_canary", scripted_canary)
+    run_dir = tmp_path / "run"
+    cfg = compose_config(["debug=smoke", f"artifacts_dir={tmp_path / 'artifacts'}", "stage=ppo", "ppo.iterations=4",
+                          "ppo.keep_checkpoints=1", "canary.every=1", "canary.max_drop=0.1", "canary.n_problems=2"],
+                         run_dir=run_dir)
+    summary = run(cfg)
+    pinned = run_dir / "checkpoints" / "it000002"
+    assert [a["iteration"] for a in summary["alarms"] if a["tripwire"] == "canary"] == [2]
+    assert summary["pinned_checkpoints"] == [str(pinned)]
+    # keep 1: the newest (it000004, also the new best) and the pinned one survive; it000001/3 are pruned
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["final", "it000002", "it000004"]
+    assert read_meta(run_dir / "checkpoints" / "it000004")["extra"]["pinned"] == [str(pinned)]
+    assert read_meta(pinned)["next_iteration"] == 2

@@ -3,11 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -91,24 +86,6 @@ def test_pipeline_smoke_writes_eval_of_both_policies(smoke_cfg):
     # a second pipeline run with the same config reuses the SFT checkpoint
     again = run(smoke_cfg())
     assert again["sft"]["reused"] is True
-
-
-def test_killed_worker_fails_the_run_quickly_with_its_log(tmp_path):
-    run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "prmppo", "stage=ppo", "debug=smoke", "ppo.iterations=200",
-           f"artifacts_dir={tmp_path / 'artifacts'}", f"hydra.run.dir={run_dir}", "rollout.heartbeat_timeout_s=5"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    heartbeat = run_dir / "spool" / "heartbeat.json"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (run_dir / "banner.json").exists():
-        time.sleep(0.2)
-    assert (run_dir / "banner.json").exists(), proc.communicate(timeout=30)[1][-2000:]
-    os.kill(json.loads(heartbeat.read_text())["pid"], signal.SIGKILL)
-    killed_at = time.time()
-    _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode not in (0, None)
-    assert time.time() - killed_at < 30
-    assert "worker.log" in stderr
 
 
 @pytest.mark.parametrize("reward", ["prm", "prm_oracle"])

@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from prmppo.errors import PrmppoError
+
 SCHEMA_VERSION = 1
 WEIGHT_KINDS = ("base", "checkpoint", "adapter")
 FINISH_REASONS = ("stop", "length")
@@ -39,7 +41,7 @@ HEARTBEAT_STATUSES = ("starting", "ready", "busy")
 _REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
 
-class SpoolFileError(RuntimeError):
+class SpoolFileError(PrmppoError, RuntimeError):
     """A spool file is missing, truncated, not valid JSON, of another schema or lacks fields."""
 
 

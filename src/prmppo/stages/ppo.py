@@ -20,9 +20,11 @@ sync boundaries), after the last iteration and at a coordinated stop. SIGTERM or
 iteration: checkpoint, worker closed, `stage_result.json` with `"stopped"`, exit code 3.
 Relaunching the same command with the same run dir resumes from the newest complete checkpoint,
 pushes its weights to the engine before the first request, and drops metrics/canary rows of
-iterations after it. Simplification: a stop between sync boundaries (sync_every_iterations > 1)
-resumes with the engine on the current weights, where the uninterrupted run would still sample
-with the last synced ones.
+iterations after it. Keep-N pruning spares the checkpoint of the best canary check so far, and a
+canary alarm pins it for good (`extra.pinned` in the checkpoint, `pinned_checkpoints` in the
+summary); it exists when `canary.every` is a multiple of the checkpoint period. Simplification: a
+stop between sync boundaries (sync_every_iterations > 1) resumes with the engine on the current
+weights, where the uninterrupted run would still sample with the last synced ones.
 
     python -m prmppo stage=ppo debug=smoke ppo.iterations=4 max_wall_seconds=1 hydra.run.dir=runs/r  # exit 3
     python -m prmppo stage=ppo debug=smoke ppo.iterations=4 hydra.run.dir=runs/r                     # resumes
@@ -198,27 +200,61 @@ def _trim_run_files(run_dir: Path, start_iteration: int) -> list[dict]:
     return [row for row in rows if row["stage"] == "ppo"]
 
 
-def _resume(checkpoint: Path | None, policy, trainer, sync, canary) -> list[dict]:
-    """Load `checkpoint` (if any) into the policy and trainer and make the engine serve it; returns its alarms."""
+def _best_checkpoint(run_dir: Path, canary) -> Path | None:
+    """The checkpoint holding the weights the canary scored best (`it<best_iteration + 1>`), if one was saved.
+
+    It exists when the best check fell on a checkpoint boundary (`canary.every` a multiple of the
+    checkpoint period); otherwise there is nothing to pin and None is returned.
+    """
+    from prmppo.ppo.checkpoint import checkpoint_name, list_checkpoints
+
+    if canary.best_iteration < 0:
+        return None
+    path = run_dir / "checkpoints" / checkpoint_name(canary.best_iteration + 1)
+    return path if path in list_checkpoints(run_dir / "checkpoints") else None
+
+
+def _pin_on_canary_alarm(run_dir: Path, new_alarms: list[dict], canary, pinned: list[str]) -> None:
+    """On a canary alarm, pin the best checkpoint against pruning (for good: recorded in `pinned`)."""
+    if not any(alarm["tripwire"] == "canary" for alarm in new_alarms):
+        return
+    best = _best_checkpoint(run_dir, canary)
+    if best is None:
+        log.warning("canary alarm: the best canary iteration %d has no checkpoint to pin (canary.every is not a "
+                    "multiple of the checkpoint period)", canary.best_iteration)
+    elif str(best) not in pinned:
+        pinned.append(str(best))
+        log.warning("canary alarm: pinned %s (best canary accuracy %.3f) against pruning", best, canary.best)
+
+
+def _resume(checkpoint: Path | None, policy, trainer, sync, canary) -> tuple[list[dict], list[str]]:
+    """Load `checkpoint` (if any) into the policy and trainer and make the engine serve it; returns its
+    alarms and pinned checkpoints."""
     from prmppo.ppo.checkpoint import load_checkpoint, read_meta
 
     if checkpoint is None:
-        return []
+        return [], []
     next_iteration = load_checkpoint(checkpoint, policy, trainer)
     extra = read_meta(checkpoint)["extra"]
     canary.best, canary.best_iteration = extra["canary_best"], extra["canary_best_iteration"]
     sync.push(policy)  # the first request after a resume must name the resumed weights, not the SFT base
     log.info("resumed from %s at ppo iteration %d (%d policy steps taken)", checkpoint, next_iteration,
              trainer.policy_steps_taken)
-    return list(extra["alarms"])
+    return list(extra["alarms"]), list(extra.get("pinned", []))
 
 
-def _save(run_dir: Path, next_iteration: int, policy, trainer, canary, alarms: list[dict], keep: int) -> Path:
+def _save(run_dir: Path, next_iteration: int, policy, trainer, canary, alarms: list[dict], keep: int,
+          pinned: list[str]) -> Path:
+    """Save a checkpoint and prune to the newest `keep`, never deleting a pinned one nor the checkpoint
+    of the best canary check so far (the one a later canary alarm pins)."""
     from prmppo.ppo.checkpoint import prune_checkpoints, save_checkpoint
 
-    extra = {"alarms": alarms, "canary_best": canary.best, "canary_best_iteration": canary.best_iteration}
+    extra = {"alarms": alarms, "canary_best": canary.best, "canary_best_iteration": canary.best_iteration,
+             "pinned": pinned}
     saved = save_checkpoint(run_dir / "checkpoints", next_iteration, policy, trainer, extra)
-    prune_checkpoints(run_dir / "checkpoints", keep)
+    best = _best_checkpoint(run_dir, canary)
+    prune_checkpoints(run_dir / "checkpoints", keep,
+                      pinned=tuple(Path(p) for p in pinned) + ((best,) if best is not None else ()))
     return saved
 
 
@@ -262,7 +298,7 @@ def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict)
                              ppo=ppo, logger=logger, device=device, seed=cfg.seed)
         gates["horizon"] = {"policy_optimizer_steps": trainer.shape.policy_steps}  # checked by PPOTrainer
         write_json_atomic(run_dir / "banner.json", banner(cfg, tokenizer, trainer.shape, base_dir, policy, gates))
-        alarms = _resume(checkpoint, policy, trainer, sync, canary)
+        alarms, pinned = _resume(checkpoint, policy, trainer, sync, canary)
         stopped = None
         for iteration in tqdm(range(first, ppo.iterations), desc=f"ppo[{cfg.arm.name}]", unit="it",
                               initial=first, total=ppo.iterations, mininterval=5.0):
@@ -270,15 +306,18 @@ def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict)
             metrics["perf/wall_s"] = time.time() - start
             logger.log(iteration, metrics)
             history.append(metrics)
-            alarms += _alarms(iteration, metrics, tripwire, canary)
+            new_alarms = _alarms(iteration, metrics, tripwire, canary)
+            alarms += new_alarms
+            _pin_on_canary_alarm(run_dir, new_alarms, canary, pinned)  # before the save, so its meta holds the pin
             _log_progress(iteration, ppo.iterations, metrics)
             last = iteration == ppo.iterations - 1
             if stop.check() or last or (iteration + 1) % every == 0:
-                checkpoint = _save(run_dir, iteration + 1, policy, trainer, canary, alarms, ppo.keep_checkpoints)
+                checkpoint = _save(run_dir, iteration + 1, policy, trainer, canary, alarms, ppo.keep_checkpoints,
+                                   pinned)
             if stop.reason and not last:
                 stopped = stop.reason
                 break
-    summary = _summary(trainer, ppo, history, alarms, start)
+    summary = {**_summary(trainer, ppo, history, alarms, start), "pinned_checkpoints": pinned}
     if stopped:  # the worker is closed; the checkpoint just saved is where a relaunch continues
         summary.update(stopped=stopped, checkpoint=str(checkpoint))
         write_stage_result(run_dir, cfg, "ppo", summary)

@@ -31,6 +31,7 @@ import re
 from fractions import Fraction
 from pathlib import Path
 
+from prmppo.errors import DataError, DataFileMissing
 from prmppo.tasks.base import SPLITS, Problem
 
 _ANNOTATION_RE = re.compile(r"<<[^>]*>>")
@@ -91,8 +92,8 @@ def _last_number(text: str) -> str | None:
     return normalize_number(matches[-1]) if matches else None
 
 
-def _row_error(path: Path, line_no: int, what: str) -> ValueError:
-    return ValueError(f"{path}: line {line_no}: {what}")
+def _row_error(path: Path, line_no: int, what: str) -> DataError:
+    return DataError(f"{path}: line {line_no}: {what}")
 
 
 def parse_row(row: object, path: Path, line_no: int) -> Problem:
@@ -122,7 +123,7 @@ def parse_row(row: object, path: Path, line_no: int) -> Problem:
 def read_problems(path: Path) -> list[Problem]:
     """Every non-blank row of a GSM8K JSONL file, in file order."""
     if not path.is_file():
-        raise FileNotFoundError(f"GSM8K file not found: {path} (set task.data_dir to the folder that holds it)")
+        raise DataFileMissing(f"GSM8K file not found: {path} (set task.data_dir to the folder that holds it)")
     problems = []
     with path.open(encoding="utf-8") as handle:
         for line_no, line in enumerate(handle, start=1):
