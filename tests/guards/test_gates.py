@@ -152,3 +152,31 @@ def test_horizon_refuses_a_schedule_that_ends_before_the_run():
     check_horizon(8, shape, ppo)
     with pytest.raises(HorizonError, match=r"spans 6 steps but the run takes 8 policy optimizer steps"):
         check_horizon(6, shape, ppo)
+
+
+class _NoCheckerTask(ArithTask):
+    def check_steps(self, problem, response):
+        return None
+
+
+@pytest.mark.parametrize("reward_kwargs,expected", [
+    ({"scorer": "oracle"}, "exact step checker"),
+    ({"scorer": "learned"}, "learned PRM"),
+])
+def test_step_scorer_gate_accepts_a_usable_source(reward_kwargs, expected):
+    from prmppo.guards.gates import check_step_scorer
+    from prmppo.rewards.prm import ProcessReward
+
+    task = ArithTask(sft_size=10, train_size=10, test_size=4)
+    assert check_step_scorer(task, ProcessReward(**reward_kwargs)) == {"step_scores": expected}
+
+
+def test_step_scorer_gate_refuses_oracle_without_a_checker():
+    from prmppo.guards.gates import check_step_scorer
+    from prmppo.rewards.orm import OutcomeReward
+    from prmppo.rewards.prm import ProcessReward
+
+    task = _NoCheckerTask(sft_size=10, train_size=10, test_size=4)
+    with pytest.raises(GateError, match="reward.scorer=oracle .* task 'arith' has none"):
+        check_step_scorer(task, ProcessReward(scorer="oracle"))
+    assert check_step_scorer(task, OutcomeReward())["step_scores"].startswith("none")  # ORM needs no checker

@@ -135,3 +135,18 @@ def derive_eos(model_dir: str | Path, tokenizer) -> dict:
                 "on the last token by the other, so responses would never stop or rewards would land on the "
                 f"wrong token; make {name} and the tokenizer name the same EOS")
     return derived
+
+
+def check_step_scorer(task, reward) -> dict:
+    """A step-level reward needs a source of step scores: the exact checker (`reward.scorer=oracle`)
+    must exist for this task; a learned PRM is trained or reused by the runner. Refused before any
+    model loads, so `reward=prm_oracle` on a task without a checker fails in seconds."""
+    if not reward.needs_step_scorer:
+        return {"step_scores": "none (outcome reward only)"}
+    if reward.needs_learned_prm:
+        return {"step_scores": "learned PRM"}
+    probe = task.problems("test")[0]
+    if task.check_steps(probe, probe.solution) is None:
+        raise GateError(f"reward.scorer=oracle (reward=prm_oracle) needs an exact step checker, but task "
+                        f"{task.name!r} has none; use reward=prm (a learned PRM) or a task with a checker")
+    return {"step_scores": "exact step checker"}

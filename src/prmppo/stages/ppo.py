@@ -81,17 +81,20 @@ def banner(cfg: DictConfig, tokenizer, shape, base_dir: Path, policy, gates: dic
 
 
 def early_gates(cfg: DictConfig, task) -> dict:
-    """The gates that need no model: verifier receipt and topology. Runners call this right after
+    """The gates that need no model: verifier receipt, topology and the source of step scores (a
+    step-level reward with `scorer=oracle` needs the task's checker). Runners call this right after
     the task is built, before SFT or any weights, so a broken setup fails in seconds.
 
     Config validation ran in `app.run`; horizon consistency runs when `PPOTrainer` is built.
     """
-    from prmppo.guards import check_topology, verifier_receipt
+    from prmppo.app import build
+    from prmppo.guards.gates import check_step_scorer, check_topology, verifier_receipt
 
     topology = cfg.topology
     return {"verifier_receipt": verifier_receipt(task, seed=cfg.seed),
             "topology": check_topology(topology.train_device, topology.engine_device, topology.train_world_size,
-                                       topology.colocated)}
+                                       topology.colocated),
+            "step_scorer": check_step_scorer(task, build(cfg.reward, "reward"))}
 
 
 def _launch_gates(cfg: DictConfig, base_dir: Path, gates: dict):
