@@ -17,14 +17,14 @@ from pathlib import Path
 from typing import Any
 
 
-def write_json_atomic(path: str | Path, obj: Any) -> None:
+def write_json_atomic(path: str | Path, obj: Any, indent: int | None = 2) -> None:
     """Write JSON to a temp file beside `path`, fsync, then rename over it: never half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as handle:
-            json.dump(obj, handle, indent=2, sort_keys=True, default=_jsonable)
+            json.dump(obj, handle, indent=indent, sort_keys=True, default=_jsonable)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)

@@ -26,12 +26,12 @@ import json
 import math
 import os
 import re
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from prmppo.errors import PrmppoError
+from prmppo.logger.metrics import write_json_atomic as write_json
 
 SCHEMA_VERSION = 1
 WEIGHT_KINDS = ("base", "checkpoint", "adapter")
@@ -58,18 +58,8 @@ def write_json_atomic(path: str | os.PathLike, obj: dict[str, Any]) -> None:
     The temp file lives in the same directory so that `os.replace` is a rename on one
     filesystem (atomic on POSIX); fsync makes the content durable before the name appears.
     """
-    path = Path(path)
-    payload = {"schema_version": SCHEMA_VERSION, **obj}
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(payload, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+    # compact: rollout results carry every token id and logprob of an iteration
+    write_json(path, {"schema_version": SCHEMA_VERSION, **obj}, indent=None)
 
 
 def read_json(path: str | os.PathLike, what: str, required: tuple[str, ...] = ()) -> dict:
