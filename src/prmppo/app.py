@@ -54,9 +54,7 @@ def run(cfg: DictConfig) -> dict:
     check_targets(cfg)
     from prmppo.stages import STAGE_RUNNERS
 
-    runner = STAGE_RUNNERS.get(cfg.stage.name)
-    if runner is None:
-        raise ConfigError(f"stage={cfg.stage.name!r} has no runner yet; available: {', '.join(STAGE_RUNNERS)}")
+    runner = STAGE_RUNNERS[cfg.stage.name]  # validate_config refused stages without a runner
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _quiet_transformers()
     run_dir = run_dir_of(cfg)

@@ -24,6 +24,10 @@ def test_every_group_is_present():
                            "ppo", "logger", "experiment", "debug"}
 
 
+# options whose config exists ahead of their code: they compose, and refuse to run with a sentence
+NOT_YET = {("stage", "band"), ("rollout", "vllm"), ("topology", "fsdp"), ("logger", "wandb")}
+
+
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
 def test_every_option_composes_and_validates(group, option):
     overrides = [f"{group}={option}"]
@@ -31,8 +35,12 @@ def test_every_option_composes_and_validates(group, option):
         overrides.append("model.path=/nonexistent/checkpoint")  # path is only checked when used
     cfg = compose_config(overrides)
     OmegaConf.to_container(cfg, resolve=False, throw_on_missing=True)
-    validate_config(cfg)
     check_targets(cfg)
+    if (group, option) in NOT_YET:
+        with pytest.raises(ConfigError, match="not available yet"):
+            validate_config(cfg)
+    else:
+        validate_config(cfg)
 
 
 @pytest.mark.parametrize("arm", ["orm", "prm"])
@@ -40,8 +48,12 @@ def test_every_option_composes_and_validates(group, option):
 @pytest.mark.parametrize("experiment", ["prm_vs_orm_arith"])
 def test_arm_topology_experiment_grid(arm, topology, experiment):
     cfg = compose_config([f"arm={arm}", f"topology={topology}", f"experiment={experiment}"])
-    validate_config(cfg)
     assert cfg.arm.name == arm
+    if ("topology", topology) in NOT_YET:
+        with pytest.raises(ConfigError, match="not available yet"):
+            validate_config(cfg)
+    else:
+        validate_config(cfg)
 
 
 def test_arms_differ_only_in_reward_and_name():

@@ -310,9 +310,8 @@ class PRMTrainConfig:
     target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
-    # optimizer steps (AdamW, warmup then cosine), responses per step, peak learning rate
-    # (measured on the default arith/tiny setup: 6000 steps -> 92% held-out step accuracy,
-    # 2000 -> ~80%; the PRM needs many steps to learn to check arithmetic)
+    # optimizer steps (AdamW, warmup then cosine), responses per step, peak learning rate; the
+    # tiny PRM needs thousands of steps to learn to check arithmetic (slow on a 2-core CPU)
     steps: int = 6000
     batch_rows: int = 64
     lr: float = 3e-3

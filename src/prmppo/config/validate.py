@@ -158,9 +158,24 @@ def _check_prm_train(problems: list[str], prm: DictConfig) -> None:
         problems.append("prm_train.target_modules is empty: the prm adapter needs at least one module name")
 
 
+def _check_available(problems: list[str], cfg: DictConfig) -> None:
+    """Options whose config exists but whose code does not yet: refused, never silently ignored."""
+    if cfg.stage.name == "band":
+        problems.append("stage=band (pass-rate filtering of prompts) is not available yet")
+    if cfg.rollout.engine == "vllm":
+        problems.append("rollout=vllm (the vLLM engine) is not available yet: use rollout=hf")
+    if cfg.topology.train_world_size > 1:
+        problems.append(f"topology.train_world_size={cfg.topology.train_world_size}: multi-rank (FSDP2) training "
+                        "is not available yet: use topology=cpu or topology=gpu")
+    if cfg.logger.wandb:
+        problems.append("logger.wandb=true: W&B logging is not available yet; metrics.jsonl holds every metric "
+                        "(logger=console)")
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Raise `ConfigError` listing every cross-field problem in `cfg`; return None when it can run."""
     problems: list[str] = []
+    _check_available(problems, cfg)
     _check_rest(problems, cfg)
     _check_task(problems, cfg.task)
     _check_ppo(problems, cfg.ppo)
