@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from prmppo.config.validate import ConfigError, validate_config
 
@@ -68,6 +68,3 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
 
-
-def resolved_config(cfg: DictConfig) -> dict:
-    return OmegaConf.to_container(cfg, resolve=True)

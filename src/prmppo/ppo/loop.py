@@ -111,10 +111,11 @@ class PPOTrainer:
                             outcome, plen)
 
     # ------------------------------------------------------------------ 3. assemble (+ 4. advantages)
-    def _response_logprobs(self, logits: torch.Tensor, batch) -> torch.Tensor:
-        plen, width = batch.prompt_length, batch.response_ids.shape[1]
-        scaled = logits[:, plen - 1:plen - 1 + width] / self.ppo.temperature  # [b, T, V]
-        return maths.logprobs_from_logits(scaled, batch.response_ids)  # [b, T]
+    def _response_logprobs(self, logits: torch.Tensor, response_ids: torch.Tensor, prompt_length: int
+                           ) -> torch.Tensor:
+        width = response_ids.shape[1]
+        scaled = logits[:, prompt_length - 1:prompt_length - 1 + width] / self.ppo.temperature  # [b, T, V]
+        return maths.logprobs_from_logits(scaled, response_ids)  # [b, T]
 
     @torch.no_grad()
     def assemble(self, batch: RolloutBatch, rewards: torch.Tensor) -> tuple[TrainBatch, dict]:
@@ -123,10 +124,11 @@ class PPOTrainer:
         self.policy.train(False)
         for rows in torch.arange(len(batch)).split(ppo.micro_batch_rows):
             ids, att, pos = (t[rows].to(dev) for t in (batch.input_ids, batch.attention_mask, batch.position_ids))
-            sub = _Rows(batch.response_ids[rows].to(dev), batch.prompt_length)
+            response_ids = batch.response_ids[rows].to(dev)
             logits, vals = self.policy.forward(ids, att, pos)
-            old_lp.append(self._response_logprobs(logits, sub))
-            ref_lp.append(self._response_logprobs(self.policy.reference_logits(ids, att, pos), sub))
+            old_lp.append(self._response_logprobs(logits, response_ids, batch.prompt_length))
+            ref_lp.append(self._response_logprobs(self.policy.reference_logits(ids, att, pos), response_ids,
+                                                  batch.prompt_length))
             plen, width = batch.prompt_length, batch.response_ids.shape[1]
             values.append(vals[:, plen - 1:plen - 1 + width])
         mask = batch.response_mask.to(dev)
@@ -161,7 +163,7 @@ class PPOTrainer:
                                           ppo.loss_agg, **counts)
         loss, stats = ppo.vf_coef * v_loss, {"value/loss": v_loss.detach(), "value/clip_fraction": v_clip}
         if train_policy:
-            logprobs = self._response_logprobs(logits, mb)
+            logprobs = self._response_logprobs(logits, mb.response_ids, mb.prompt_length)
             p_loss, pstats = maths.policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
                                                ppo.clip_low, ppo.clip_high, ppo.clip_c, ppo.loss_agg, **counts)
             entropy = maths.entropy_from_logits(logits[:, plen - 1:plen - 1 + width].float() / ppo.temperature)
@@ -249,14 +251,6 @@ class PPOTrainer:
                 "perf/update_s": t4 - t3, "perf/sync_s": t5 - t4, "perf/synced": float(synced),
                 "perf/rollout_tokens_per_s": tokens / max(t1 - t0, 1e-9),
                 "perf/iteration_s": t5 - t0}
-
-
-@dataclass
-class _Rows:
-    """The two fields `_response_logprobs` reads, for a slice of a RolloutBatch."""
-
-    response_ids: torch.Tensor
-    prompt_length: int
 
 
 def save_value_head(policy, path: Path) -> None:

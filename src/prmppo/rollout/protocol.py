@@ -212,9 +212,14 @@ class RolloutRequest:
 
     @classmethod
     def from_dict(cls, obj: dict) -> "RolloutRequest":
-        fields = {name: obj[name] for name in cls.__dataclass_fields__}
-        fields["weights"] = WeightsSpec.from_dict(obj["weights"])
-        return cls(**fields)
+        return _with_weights(cls, obj)
+
+
+def _with_weights(cls, obj: dict):
+    """Build dataclass `cls` from a spool dict whose `weights` field is a WeightsSpec dict."""
+    fields = {name: obj[name] for name in cls.__dataclass_fields__}
+    fields["weights"] = WeightsSpec.from_dict(obj["weights"])
+    return cls(**fields)
 
 
 @dataclass(frozen=True)
@@ -268,9 +273,7 @@ class RolloutResult:
 
     @classmethod
     def from_dict(cls, obj: dict) -> "RolloutResult":
-        fields = {name: obj[name] for name in cls.__dataclass_fields__}
-        fields["weights"] = WeightsSpec.from_dict(obj["weights"])
-        return cls(**fields)
+        return _with_weights(cls, obj)
 
 
 @dataclass(frozen=True)
