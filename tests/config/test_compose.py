@@ -96,6 +96,9 @@ def test_schema_rejects_at_compose_time(override, fragment):
     (["ppo.max_skipped_fraction=1.5"], ["ppo.max_skipped_fraction=1.5", "[0, 1]"]),
     (["canary.every=-1"], ["canary.every=-1", ">= 0"]),
     (["canary.max_drop=2"], ["canary.max_drop=2", "[0, 1]"]),
+    (["ppo.advantage_estimator=vtrace"], ["ppo.advantage_estimator='vtrace'", "gae, rloo, grpo"]),
+    (["ppo.advantage_estimator=rloo", "ppo.n_samples_per_prompt=1", "ppo.minibatch_rows=32"],
+     ["ppo.advantage_estimator=rloo", "ppo.n_samples_per_prompt >= 2"]),
 ])
 def test_cross_field_rejections_name_keys_and_arithmetic(overrides, fragments):
     cfg = compose_config(overrides)

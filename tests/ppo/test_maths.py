@@ -14,6 +14,7 @@ from prmppo.ppo.maths import (
     entropy_from_logits,
     explained_variance,
     gae,
+    group_baseline_advantages,
     logprobs_from_logits,
     make_scheduler,
     masked_mean,
@@ -98,6 +99,46 @@ def test_gae_refuses_bad_arguments():
         gae(REWARDS, VALUES, FULL, gamma=1.0, lam=1.5)
     with pytest.raises(ValueError, match="one shape"):
         gae(REWARDS, VALUES[:, :2], FULL, gamma=1.0, lam=1.0)
+
+
+def test_rloo_outcome_reward_by_hand():
+    # two prompts x 3 samples, reward on the last real token; row 2 has one padded position
+    rewards = t([[0, 0, 1.0], [0, 0, 0], [0, 1.0, 0],
+                 [0, 0, 1.0], [0, 0, 1.0], [0, 0, 1.0]])
+    mask = t([[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 1, 1]])
+    adv = group_baseline_advantages(rewards, mask, group_size=3, gamma=1.0, mode="rloo")
+    # group 1 returns R = (1, 0, 1): baselines (0+1)/2 = .5, (1+1)/2 = 1, (1+0)/2 = .5
+    assert torch.allclose(adv[0], t([0.5, 0.5, 0.5]))
+    assert torch.allclose(adv[1], t([-1.0, -1.0, -1.0]))
+    assert torch.allclose(adv[2], t([0.5, 0.5, 0.0]))  # padding stays 0
+    # group 2 always solved: no gradient signal at all
+    assert torch.equal(adv[3:], torch.zeros(3, 3))
+
+
+def test_rloo_keeps_step_credit_in_return_to_go():
+    # step rewards .2 at t=0 and .5 at t=2 in row 0; row 1 gets 1 at the end; gamma = .5
+    rewards = t([[0.2, 0, 0.5], [0, 0, 1.0]])
+    adv = group_baseline_advantages(rewards, torch.ones(2, 3), group_size=2, gamma=0.5, mode="rloo")
+    # row 0 G = (.2 + .25*.5, .5*.5, .5) = (.325, .25, .5); row 1 G = (.25, .5, 1)
+    # baselines: row 0 <- R_1 = .25, row 1 <- R_0 = .325
+    assert torch.allclose(adv[0], t([0.075, 0.0, 0.25]))
+    assert torch.allclose(adv[1], t([-0.075, 0.175, 0.675]))
+
+
+def test_grpo_normalises_by_group_std():
+    rewards = t([[1.0], [0.0], [0.0], [1.0]])
+    adv = group_baseline_advantages(rewards, torch.ones(4, 1), group_size=4, gamma=1.0, mode="grpo")
+    # mean .5, unbiased std sqrt(4 * .25 / 3) = .57735
+    assert torch.allclose(adv[:, 0], t([0.8660, -0.8660, -0.8660, 0.8660]), atol=1e-4)
+
+
+def test_group_baseline_refuses_bad_shapes():
+    with pytest.raises(ValueError, match="whole number of groups"):
+        group_baseline_advantages(torch.zeros(5, 2), torch.ones(5, 2), group_size=2, gamma=1.0, mode="rloo")
+    with pytest.raises(ValueError, match="at least 2"):
+        group_baseline_advantages(torch.zeros(4, 2), torch.ones(4, 2), group_size=1, gamma=1.0, mode="rloo")
+    with pytest.raises(ValueError, match="valid modes"):
+        group_baseline_advantages(torch.zeros(4, 2), torch.ones(4, 2), group_size=2, gamma=1.0, mode="ppo")
 
 
 # ----------------------------------------------------------------------------- policy loss

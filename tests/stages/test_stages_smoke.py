@@ -88,9 +88,9 @@ def test_pipeline_smoke_writes_eval_of_both_policies(smoke_cfg):
     assert again["sft"]["reused"] is True
 
 
-@pytest.mark.parametrize("reward", ["prm", "prm_oracle"])
-def test_prm_arm_smoke_runs_ppo_with_step_rewards(smoke_cfg, reward):
-    cfg = smoke_cfg("stage=ppo", "arm=prm", f"reward={reward}")
+@pytest.mark.parametrize("reward, estimator", [("prm", "gae"), ("prm_oracle", "gae"), ("prm_oracle", "rloo")])
+def test_prm_arm_smoke_runs_ppo_with_step_rewards(smoke_cfg, reward, estimator):
+    cfg = smoke_cfg("stage=ppo", "arm=prm", f"reward={reward}", f"ppo.advantage_estimator={estimator}")
     summary = run(cfg)
     rows = _metrics(Path(cfg.run_dir), "ppo")
     assert [r["step"] for r in rows] == [0, 1]

@@ -222,6 +222,9 @@ class PPOConfig:
     gamma: float = 1.0
     lam_actor: float = 1.0
     lam_critic: float = 1.0
+    # gae (the critic's values) | rloo | grpo (baselines from the other samples of the prompt;
+    # the critic still trains and logs explained variance)
+    advantage_estimator: str = "gae"
     whiten_advantages: bool = True
     clip_low: float = 0.2
     clip_high: float = 0.2

@@ -16,6 +16,7 @@ STAGES = ("sft", "prm", "band", "ppo", "eval", "pipeline")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_PLACEMENTS = ("reward", "loss")
 LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+ADVANTAGE_ESTIMATORS = ("gae", "rloo", "grpo")
 SYNC_MODES = ("checkpoint", "adapter")
 ENGINES = ("hf", "vllm")
 TRANSFORMS = ("plain", "centered", "log", "clip", "delta", "min_form")
@@ -82,6 +83,10 @@ def _check_ppo(problems: list[str], ppo: DictConfig) -> None:
     _choice(problems, "ppo.kl_estimator", ppo.kl_estimator, KL_ESTIMATORS)
     _choice(problems, "ppo.kl_placement", ppo.kl_placement, KL_PLACEMENTS)
     _choice(problems, "ppo.loss_agg", ppo.loss_agg, LOSS_AGGS)
+    _choice(problems, "ppo.advantage_estimator", ppo.advantage_estimator, ADVANTAGE_ESTIMATORS)
+    if ppo.advantage_estimator != "gae" and ppo.n_samples_per_prompt < 2:
+        problems.append(f"ppo.advantage_estimator={ppo.advantage_estimator} needs ppo.n_samples_per_prompt >= 2 "
+                        f"(the baseline comes from the prompt's other samples), got {ppo.n_samples_per_prompt}")
 
 
 def _check_task(problems: list[str], task: DictConfig) -> None:

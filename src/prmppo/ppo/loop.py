@@ -5,7 +5,8 @@ One iteration (`PPOTrainer.iteration`) reads like the algorithm:
               with the weights it was last synced to;
   2. score    outcome verifier + the arm's reward object -> rewards [B, T];
   3. assemble policy / reference logprobs and values with no grad; KL into the reward;
-  4. advantages: GAE with decoupled lambdas (lam_actor for advantages, lam_critic for targets);
+  4. advantages: GAE with decoupled lambdas (lam_actor for advantages, lam_critic for targets),
+              or a group baseline (rloo / grpo) from the prompt's other samples;
   5. update   ppo_epochs over minibatches of micro-batches, clipped losses, one policy and one
               value optimizer step per minibatch (only the critic during value warmup);
   6. sync     ship the new weights to the engine every `sync_every_iterations`; log.
@@ -139,6 +140,9 @@ class PPOTrainer:
         if ppo.kl_placement == "reward":
             rewards = rewards - ppo.kl_coef * kl
         advantages, returns = maths.decoupled_gae(rewards, values, mask, ppo.gamma, ppo.lam_actor, ppo.lam_critic)
+        if ppo.advantage_estimator != "gae":
+            advantages = maths.group_baseline_advantages(rewards, mask, ppo.n_samples_per_prompt, ppo.gamma,
+                                                         ppo.advantage_estimator)
         if ppo.whiten_advantages:
             advantages = maths.masked_whiten(advantages, mask)
         gap = maths.masked_mean((batch.engine_logprobs.to(dev) - old_lp).abs(), mask)

@@ -142,6 +142,39 @@ def decoupled_gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
     return advantages, value_targets
 
 
+def group_baseline_advantages(rewards: Tensor, mask: Tensor, group_size: int, gamma: float, mode: str
+                              ) -> Tensor:
+    """Critic-free advantages from the other samples of the same prompt; [B, T], 0 on padding.
+
+    Rows are prompt-major: rows [g * group_size, (g + 1) * group_size) answer prompt g. Each
+    token's return-to-go G_t = sum_{s >= t} gamma^(s - t) r_s keeps step-level credit; the
+    baseline comes from the group's whole-response returns R_j = G_0 of row j:
+
+      rloo  A_t = G_t - mean_{j != i} R_j                      (Ahmadian et al. 2024, RLOO)
+      grpo  A_t = (G_t - mean_j R_j) / (std_j R_j + 1e-6)      (Shao et al. 2024, GRPO)
+
+    A group whose samples all score the same gives zero advantage (with an outcome-only reward),
+    so a prompt that is always solved, or never, adds no gradient noise.
+    """
+    if mode not in ("rloo", "grpo"):
+        raise ValueError(f"mode={mode!r}: valid modes are 'rloo' and 'grpo'")
+    if group_size < 2:
+        raise ValueError(f"group_size={group_size}: a group baseline needs at least 2 samples per prompt")
+    if rewards.shape[0] % group_size:
+        raise ValueError(f"{rewards.shape[0]} rows are not a whole number of groups of {group_size}")
+    rewards = rewards if rewards.is_floating_point() else rewards.float()
+    returns_to_go, _ = gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)  # [B, T]
+    total = returns_to_go[:, 0].view(-1, group_size)  # [G, n]
+    if mode == "rloo":
+        baseline = (total.sum(-1, keepdim=True) - total) / (group_size - 1)  # [G, n]
+        advantages = returns_to_go - baseline.reshape(-1, 1)
+    else:
+        mean = total.mean(-1, keepdim=True).expand_as(total).reshape(-1, 1)  # [B, 1]
+        std = total.std(-1, keepdim=True).expand_as(total).reshape(-1, 1)  # [B, 1]
+        advantages = (returns_to_go - mean) / (std + 1e-6)
+    return advantages * mask.to(advantages.dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # losses
 
