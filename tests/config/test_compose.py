@@ -86,7 +86,7 @@ def test_schema_rejects_at_compose_time(override, fragment):
     (["ppo.micro_batch_rows=24"], ["ppo.micro_batch_rows=24", "64 % 24 = 16"]),
     (["ppo.clip_c=0.5"], ["ppo.clip_c=0.5", "> 1"]),
     (["ppo.kl_estimator=k4"], ["ppo.kl_estimator='k4'", "k1, k2, k3"]),
-    (["task.rl.min_operands=7"], ["task.rl.min_operands=7", "task.rl.max_operands=6"]),
+    (["task.rl.min_operands=7"], ["task.rl.min_operands=7", "task.rl.max_operands=5"]),
     (["stage=sft", "sft.warmup_steps=5000"], ["sft.warmup_steps=5000", "sft.steps=1000"]),
     (["lora=none", "rollout.sync=adapter"], ["rollout.sync=adapter", "lora=none"]),
     (["arm=prm", "reward.transform=cube"], ["reward.transform='cube'", "min_form"]),

@@ -49,7 +49,7 @@ class ArithTaskConfig(TaskConfig):
     _target_: str = "prmppo.tasks.arith.ArithTask"
     seed: int = 0
     sft: ChainDistribution = field(default_factory=lambda: ChainDistribution(2, 5))
-    rl: ChainDistribution = field(default_factory=lambda: ChainDistribution(4, 6))
+    rl: ChainDistribution = field(default_factory=lambda: ChainDistribution(3, 5))
     sft_size: int = 20000
     train_size: int = 20000
     test_size: int = 200
