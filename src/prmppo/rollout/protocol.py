@@ -245,7 +245,8 @@ class RolloutResult:
     `token_ids[r]` are response tokens only (EOS included when the row stopped on it);
     `logprobs[r][t]` is log_softmax(logits / temperature) at that token, before top-p
     truncation, so it equals what a full forward pass at the same temperature gives.
-    `weights` is what the engine actually served.
+    `weights` is what the engine actually served; `load_seconds` the time it took to load them for
+    this request (0 when they were already served), `generate_seconds` the time sampling took.
     """
 
     request_id: str
@@ -254,6 +255,7 @@ class RolloutResult:
     logprobs: list[list[float]]
     finish_reasons: list[str]
     generate_seconds: float
+    load_seconds: float
 
     def __post_init__(self) -> None:
         rows = len(self.token_ids)

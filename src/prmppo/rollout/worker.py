@@ -140,9 +140,11 @@ def _serve(engine, request: RolloutRequest, spool: SpoolPaths, heartbeat: Heartb
     """Load weights if needed, generate, write the result; errors become an error result."""
     heartbeat.update("busy", engine.served_weights)
     try:
+        start = time.perf_counter()
         if request.weights != engine.served_weights:
             LOG.info("request %s: loading weights %s", request.request_id, request.weights)
             engine.load_weights(request.weights)
+        load_seconds = time.perf_counter() - start
         start = time.perf_counter()
         token_ids, logprobs, finish_reasons = engine.generate(
             prompt_token_ids=request.prompt_token_ids,
@@ -156,10 +158,11 @@ def _serve(engine, request: RolloutRequest, spool: SpoolPaths, heartbeat: Heartb
         )
         seconds = time.perf_counter() - start
         result = RolloutResult(
-            request.request_id, engine.served_weights, token_ids, logprobs, finish_reasons, seconds
+            request.request_id, engine.served_weights, token_ids, logprobs, finish_reasons, seconds, load_seconds
         )
         write_json_atomic(spool.result(request.request_id), result.to_dict())
-        LOG.info("request %s: %d rows in %.2fs", request.request_id, len(token_ids), seconds)
+        LOG.info("request %s: %d rows in %.2fs (weights loaded in %.3fs)", request.request_id, len(token_ids),
+                 seconds, load_seconds)
     except Exception:  # noqa: BLE001 - reported to the client with the traceback
         _write_error(spool, request.request_id, traceback.format_exc())
     finally:
