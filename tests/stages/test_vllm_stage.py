@@ -64,7 +64,8 @@ def test_vllm_skipped_sync_trips_the_ratio_tripwire(smoke_cfg, vllm_python):
 @pytest.mark.vllm
 def test_vllm_with_an_unsupported_head_size_is_refused_before_sft(smoke_cfg, vllm_python):
     cfg = smoke_cfg("stage=ppo", "rollout=vllm", f"rollout.python={vllm_python}")  # smoke heads: 32 / 4 = 8
-    with pytest.raises(GateError, match=r"attention head size 8 \(model.hidden_size=32 / model.num_attention_heads=4\)"):
+    head_size_8 = r"attention head size 8 \(model.hidden_size=32 / model.num_attention_heads=4\)"
+    with pytest.raises(GateError, match=head_size_8):
         run(cfg)
     assert not list(Path(cfg.artifacts_dir).glob("sft-*"))
 

@@ -6,11 +6,11 @@
 `start()` clears stale spool files, launches `python -m prmppo.rollout.worker` (output appended
 to `log_path`) with `python` (the trainer's interpreter, or an engine's own environment: prmppo's
 source dir goes on the worker's PYTHONPATH) and waits for the heartbeat to say "ready"; an engine
-that cannot start raises `EngineStartError` with the worker's one-line cause and the log path.
-`probe_engine_python` checks beforehand, in seconds, that an interpreter can run an engine. `generate()` writes the request and
-polls for its result while watching three ways the worker can fail: the process exited (error
-with the exit code, the log's last lines and the log path), the heartbeat went stale (a hung
-worker), or the request timed out. Nothing here waits forever; after a dead, hung or timed-out
+that cannot start raises `EngineStartError` with the worker's one-line cause and the log path
+(`probe_engine_python` checks beforehand, in seconds, that an interpreter can run an engine).
+`generate()` writes the request and polls for its result while watching three ways the worker
+can fail: the process exited (error with the exit code, the log's last lines and the log path),
+the heartbeat went stale (a hung worker), or the request timed out. Nothing here waits forever; after a dead, hung or timed-out
 worker the client kills it and must be `start()`ed again.
 
 Run the tests: `PYTHONPATH=src pytest tests/rollout/test_worker.py -q`.

@@ -49,7 +49,8 @@ from prmppo.rollout.hf_engine import find_adapter_dir  # torch only: the engine 
 from prmppo.rollout.protocol import FINISH_REASONS, WeightsSpec, validate_sampling_args
 
 LOG = logging.getLogger(__name__)
-SETUP_HINT = "create the engine environment with `bash scripts/setup_vllm_env.sh` and set rollout.python to the interpreter it prints"
+SETUP_HINT = ("create the engine environment with `bash scripts/setup_vllm_env.sh` and set rollout.python to "
+              "the interpreter it prints")
 # vLLM's seeds are 64-bit; stay well inside
 _SEED_BOUND = 2**62
 

@@ -106,8 +106,8 @@ def banner(cfg: DictConfig, tokenizer, shape, base_dir: Path, policy, gates: dic
 
 def early_gates(cfg: DictConfig, task) -> dict:
     """The gates that need no model: verifier receipt, topology, the rollout engine's interpreter and the
-    source of step scores (a step-level reward with `scorer=oracle` needs the task's checker). Runners call this right after
-    the task is built, before SFT or any weights, so a broken setup fails in seconds.
+    source of step scores (a step-level reward with `scorer=oracle` needs the task's checker). Runners
+    call this right after the task is built, before SFT or any weights, so a broken setup fails in seconds.
 
     Config validation ran in `app.run`; horizon consistency runs when `PPOTrainer` is built.
     """
