@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -37,3 +38,20 @@ def smoke_cfg(tmp_path):
         return cfg
 
     return make
+
+
+# The vLLM engine environment (scripts/setup_vllm_env.sh makes it at REPO/.venv-vllm); CI sets
+# PRMPPO_REQUIRE_VLLM=1 so that its absence fails the `vllm` tests instead of skipping them.
+VLLM_PYTHON = os.environ.get("PRMPPO_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The engine environment's interpreter; skips (or fails, under PRMPPO_REQUIRE_VLLM=1) without it."""
+    if os.path.isfile(VLLM_PYTHON) and os.access(VLLM_PYTHON, os.X_OK):
+        return VLLM_PYTHON
+    reason = (f"no vLLM engine environment at {VLLM_PYTHON} (create it with `bash scripts/setup_vllm_env.sh`, "
+              "or point PRMPPO_VLLM_PYTHON at its interpreter)")
+    if os.environ.get("PRMPPO_REQUIRE_VLLM") == "1":
+        pytest.fail(reason + "; PRMPPO_REQUIRE_VLLM=1 requires it")
+    pytest.skip(reason)

@@ -25,7 +25,7 @@ def test_every_group_is_present():
 
 
 # options whose config exists ahead of their code: they compose, and refuse to run with a sentence
-NOT_YET = {("stage", "band"), ("rollout", "vllm"), ("topology", "fsdp"), ("logger", "wandb")}
+NOT_YET = {("stage", "band"), ("topology", "fsdp"), ("logger", "wandb")}
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
@@ -89,6 +89,8 @@ def test_schema_rejects_at_compose_time(override, fragment):
     (["task.rl.min_operands=7"], ["task.rl.min_operands=7", "task.rl.max_operands=5"]),
     (["stage=sft", "sft.warmup_steps=5000"], ["sft.warmup_steps=5000", "sft.steps=1000"]),
     (["lora=none", "rollout.sync=adapter"], ["rollout.sync=adapter", "lora=none"]),
+    (["rollout=vllm", "ppo.top_p=0.9"], ["rollout=vllm with ppo.top_p=0.9", "ppo.top_p=1.0 or rollout=hf"]),
+    (["rollout=vllm", "rollout.gpu_memory_utilization=1.5"], ["rollout.gpu_memory_utilization=1.5", "(0, 1]"]),
     (["arm=prm", "reward.transform=cube"], ["reward.transform='cube'", "min_form"]),
     (["ppo.max_engine_logprob_gap=0"], ["ppo.max_engine_logprob_gap=0", "> 0"]),
     (["ppo.max_first_ratio_dev=-1"], ["ppo.max_first_ratio_dev=-1", "> 0"]),

@@ -93,7 +93,7 @@ def test_request_round_trip_through_spool(tmp_path):
 
 def make_result() -> RolloutResult:
     return RolloutResult(
-        "r1", WeightsSpec("base", None, 0), [[5, 2], [7]], [[-0.5, -1.0], [-2.0]], ["stop", "length"], 0.1
+        "r1", WeightsSpec("base", None, 0), [[5, 2], [7]], [[-0.5, -1.0], [-2.0]], ["stop", "length"], 0.1, 0.0
     )
 
 

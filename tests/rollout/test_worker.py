@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 from prmppo.rollout.client import RolloutClient  # noqa: E402
 from prmppo.rollout.hf_engine import HFEngine  # noqa: E402
 from prmppo.rollout.protocol import (  # noqa: E402
+    EngineStartError,
     RolloutRequest,
     RolloutWorkerError,
     SpoolFileError,
@@ -160,8 +161,9 @@ def test_hung_worker_is_detected_by_stale_heartbeat(model_dirs, tmp_path):
 
 def test_start_fails_fast_when_the_engine_cannot_load(tmp_path):
     client = make_client(tmp_path, str(tmp_path / "no-such-model"))
-    with pytest.raises(RolloutWorkerError) as info:
+    with pytest.raises(EngineStartError) as info:
         client.start()
-    message = str(info.value)
-    assert "exited with code 1 while starting" in message and "has no config.json" in message
-    assert str(tmp_path / "worker.log") in message
+    message = str(info.value)  # the cause the worker reported, in one line with the log path
+    assert "rollout engine 'hf' could not start: FileNotFoundError:" in message and "has no config.json" in message
+    assert str(tmp_path / "worker.log") in message and "\n" not in message
+    assert not client.running

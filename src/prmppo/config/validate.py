@@ -117,6 +117,10 @@ def _check_rest(problems: list[str], cfg: DictConfig) -> None:
               "request_timeout_s", "heartbeat_timeout_s")
     if not 0 < cfg.rollout.gpu_memory_utilization <= 1:
         problems.append(f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} must be in (0, 1]")
+    if cfg.rollout.engine == "vllm" and cfg.ppo.top_p < 1:
+        problems.append(f"rollout=vllm with ppo.top_p={cfg.ppo.top_p}: vLLM's sampling logprobs are those of the "
+                        "top-p truncated distribution, not the full tempered one the trainer scores, so the engine "
+                        "and trainer logprobs would never match; use ppo.top_p=1.0 or rollout=hf")
     if cfg.rollout.sync == "adapter" and cfg.lora._target_.endswith("FullPolicy"):
         problems.append("rollout.sync=adapter needs LoRA adapters, but lora=none trains the full model: "
                         "use rollout.sync=checkpoint or lora=adapter")
@@ -167,8 +171,6 @@ def _check_available(problems: list[str], cfg: DictConfig) -> None:
     """Options whose config exists but whose code does not yet: refused, never silently ignored."""
     if cfg.stage.name == "band":
         problems.append("stage=band (pass-rate filtering of prompts) is not available yet")
-    if cfg.rollout.engine == "vllm":
-        problems.append("rollout=vllm (the vLLM engine) is not available yet: use rollout=hf")
     if cfg.topology.train_world_size > 1:
         problems.append(f"topology.train_world_size={cfg.topology.train_world_size}: multi-rank (FSDP2) training "
                         "is not available yet: use topology=cpu or topology=gpu")

@@ -4,7 +4,9 @@ Run by `stages/ppo.py::train_ppo` in cost order, after config validation (`confi
   1. `verifier_receipt`  gold solutions must verify (~100%), corrupted ones must not (~0%): a
                          verifier that passes everything or nothing would make every reward noise;
   2. `check_topology`    devices exist, world size >= 1, roles on distinct GPUs unless colocated;
-  3. `derive_eos`        config.json, generation_config.json and the tokenizer agree on EOS.
+  3. `check_rollout_engine`  the interpreter of `rollout.python` can run the engine (for vLLM: it
+                         imports vllm and serves the model's attention head size);
+  4. `derive_eos`        config.json, generation_config.json and the tokenizer agree on EOS.
 (Horizon consistency, the last gate, is `ppo.loop.check_horizon`, run when the trainer is built.)
 Each gate returns what it derived, recorded under `"gates"` in `banner.json`, or raises
 `GateError` with a sentence that names the values and what would be valid.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from pathlib import Path
 
 import torch
@@ -102,6 +105,40 @@ def check_topology(train_device: str, engine_device: str, world_size: int, coloc
                         "memory; choose a distinct engine_device or set topology.colocated=true")
     return {"train_device": train_device, "train_gpus": train_gpus, "engine_device": engine_device,
             "engine_gpu": engine_gpu, "world_size": world_size, "colocated": colocated, "visible_gpus": visible}
+
+
+VLLM_SETUP = ("create it with `bash scripts/setup_vllm_env.sh` (it prints the interpreter path) and set "
+              "rollout.python to that path")
+
+
+def check_rollout_engine(engine: str, python: str, head_dim: int | None, head_dim_source: str = "") -> dict:
+    """The interpreter named by `rollout.python` can run the rollout worker's engine; returns what it found.
+
+    The trainer's own interpreter runs `hf` without a check. Any other interpreter is run once (a
+    few seconds: it imports the engine's packages and the worker as the worker would), so a missing
+    or broken engine environment is refused before SFT or any weights. For vLLM on CPU, the model's
+    attention head size (`head_dim`, when known; `head_dim_source` says where it came from) must be
+    one its CPU attention kernels support.
+    """
+    from prmppo.rollout.client import probe_engine_python, resolve_python
+    from prmppo.rollout.worker import ENGINE_PACKAGES
+
+    if engine == "hf" and not python:
+        return {"engine": engine, "python": sys.executable}
+    interpreter = resolve_python(python)
+    try:
+        found = probe_engine_python(interpreter, ENGINE_PACKAGES[engine])
+    except ValueError as err:
+        setup = VLLM_SETUP if engine == "vllm" else "point rollout.python at an interpreter that has them"
+        raise GateError(f"rollout.engine={engine!r} runs in rollout.python={python!r}, but {err}; {setup}") from None
+    sizes = found["attention_head_sizes"]
+    if sizes is not None and head_dim is not None and head_dim not in sizes:
+        raise GateError(
+            f"rollout.engine={engine!r} on {found['platform']}: the model's attention head size {head_dim} "
+            f"({head_dim_source}) is not one vLLM's CPU attention supports {sizes}; choose a hidden size and head "
+            "count that give one (model=tiny: e.g. model.num_attention_heads=3 model.num_key_value_heads=1 with "
+            "model.hidden_size=96), or use rollout=hf")
+    return {"engine": engine, **found, "head_dim": head_dim}
 
 
 def _eos_ids(value) -> list[int] | None:

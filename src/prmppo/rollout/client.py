@@ -4,10 +4,13 @@
         result = client.generate(RolloutRequest(...))
 
 `start()` clears stale spool files, launches `python -m prmppo.rollout.worker` (output appended
-to `log_path`) and waits for the heartbeat to say "ready". `generate()` writes the request and
-polls for its result while watching three ways the worker can fail: the process exited (error
-with the exit code, the log's last lines and the log path), the heartbeat went stale (a hung
-worker), or the request timed out. Nothing here waits forever; after a dead, hung or timed-out
+to `log_path`) with `python` (the trainer's interpreter, or an engine's own environment: prmppo's
+source dir goes on the worker's PYTHONPATH) and waits for the heartbeat to say "ready"; an engine
+that cannot start raises `EngineStartError` with the worker's one-line cause and the log path
+(`probe_engine_python` checks beforehand, in seconds, that an interpreter can run an engine).
+`generate()` writes the request and polls for its result while watching three ways the worker
+can fail: the process exited (error with the exit code, the log's last lines and the log path),
+the heartbeat went stale (a hung worker), or the request timed out. Nothing here waits forever; after a dead, hung or timed-out
 worker the client kills it and must be `start()`ed again.
 
 Run the tests: `PYTHONPATH=src pytest tests/rollout/test_worker.py -q`.
@@ -15,6 +18,7 @@ Run the tests: `PYTHONPATH=src pytest tests/rollout/test_worker.py -q`.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,6 +27,7 @@ from pathlib import Path
 
 import prmppo
 from prmppo.rollout.protocol import (
+    EngineStartError,
     ErrorResult,
     RolloutRequest,
     RolloutResult,
@@ -39,6 +44,7 @@ from prmppo.rollout.protocol import (
 LOG_TAIL_LINES = 30
 POLL_INTERVAL_S = 0.02
 SHUTDOWN_GRACE_S = 5.0
+PROBE_TIMEOUT_S = 180.0
 
 
 def package_parent_dir() -> str:
@@ -46,6 +52,58 @@ def package_parent_dir() -> str:
     package_file = getattr(prmppo, "__file__", None)
     package_dir = Path(package_file).parent if package_file else Path(next(iter(prmppo.__path__)))
     return str(package_dir.resolve().parent)
+
+
+def worker_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a worker process: `base` (default: this one) with prmppo first on PYTHONPATH."""
+    env = dict(os.environ if base is None else base)
+    existing = env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = package_parent_dir() + (os.pathsep + existing if existing else "")
+    return env
+
+
+def resolve_python(python: str) -> str:
+    """An interpreter path made absolute against the working directory; "" means this interpreter.
+
+    Symlinks are kept: a venv's bin/python is a link whose target would lose the venv.
+    """
+    return os.path.abspath(python) if python else sys.executable
+
+
+def probe_engine_python(python: str, packages: tuple[str, ...], timeout_s: float = PROBE_TIMEOUT_S) -> dict:
+    """Run `python` once to import `packages` and the worker module as the worker would; returns
+    {"python", "versions": {package: version}, "platform": vLLM's device type or None,
+    "attention_head_sizes": what vLLM's CPU attention supports, or None}. Raises ValueError with a
+    one-line reason when the interpreter is missing, fails to import, or does not answer in time."""
+    if not os.path.isfile(python) or not os.access(python, os.X_OK):
+        raise ValueError(f"{python} does not exist or is not an executable file")
+    script = (
+        "import importlib, json\n"
+        "import prmppo.rollout.worker\n"
+        f"packages = {list(packages)!r}\n"
+        "versions = {p: getattr(importlib.import_module(p), '__version__', '?') for p in packages}\n"
+        "platform = sizes = None\n"
+        "if 'vllm' in packages:\n"
+        "    from vllm.platforms import current_platform\n"
+        "    platform = current_platform.device_type\n"
+        "    if platform == 'cpu':\n"
+        "        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend\n"
+        "        sizes = CPUAttentionBackend.get_supported_head_sizes()\n"
+        "print('PRMPPO_PROBE ' + json.dumps({'versions': versions, 'platform': platform, "
+        "'attention_head_sizes': sizes}))\n"
+    )
+    try:
+        done = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=timeout_s,
+                              env=worker_env(), stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise ValueError(f"{python} did not import {list(packages)} within {timeout_s:.0f} s") from None
+    except OSError as err:
+        raise ValueError(f"{python} cannot be run: {err}") from err
+    answer = [line for line in done.stdout.splitlines() if line.startswith("PRMPPO_PROBE ")]
+    if done.returncode != 0 or not answer:
+        errors = [line for line in done.stderr.strip().splitlines() if line.strip()]
+        raise ValueError(f"{python} cannot import {list(packages)}: {errors[-1] if errors else 'no output'}")
+    return {"python": python, **json.loads(answer[-1].removeprefix("PRMPPO_PROBE "))}
 
 
 def log_tail(log_path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -76,6 +134,7 @@ class RolloutClient:
         request_timeout_s: float = 600.0,
         heartbeat_timeout_s: float = 30.0,
         env: dict[str, str] | None = None,
+        engine_options: dict | None = None,
     ) -> None:
         timeouts = {"startup_timeout_s": startup_timeout_s, "request_timeout_s": request_timeout_s,
                     "heartbeat_timeout_s": heartbeat_timeout_s}
@@ -91,6 +150,7 @@ class RolloutClient:
         self.request_timeout_s = request_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.env = env
+        self.engine_options = dict(engine_options or {})
         self._proc: subprocess.Popen | None = None
         self._served: WeightsSpec | None = None
 
@@ -141,12 +201,6 @@ class RolloutClient:
                 "close it or use another spool_dir"
             )
 
-    def _worker_env(self) -> dict[str, str]:
-        env = dict(os.environ if self.env is None else self.env)
-        existing = env.get("PYTHONPATH", "")
-        env["PYTHONPATH"] = package_parent_dir() + (os.pathsep + existing if existing else "")
-        return env
-
     def start(self) -> None:
         """Launch the worker and wait until its heartbeat says "ready"."""
         if self._proc is not None and self._proc.poll() is None:
@@ -155,19 +209,20 @@ class RolloutClient:
         command = [
             self.python, "-m", "prmppo.rollout.worker", "--spool", str(self.spool.root),
             "--engine", self.engine, "--base-model", self.base_model_dir,
-            "--device", self.device, "--dtype", self.dtype,
+            "--device", self.device, "--dtype", self.dtype, "--engine-options", json.dumps(self.engine_options),
         ]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log_file:  # the child keeps its own copy of the fd
             self._proc = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                env=self._worker_env(),
+                env=worker_env(self.env),
             )
         self._served = None
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
-            self._raise_if_dead("while starting")
             beat = self._read_heartbeat()
+            if beat is not None and beat["status"] == "failed" or self._proc.poll() is not None:
+                self._raise_start_failure()
             if beat is not None and beat["status"] == "ready":
                 return
             time.sleep(POLL_INTERVAL_S)
@@ -176,6 +231,19 @@ class RolloutClient:
             f"rollout worker not ready after startup_timeout_s={self.startup_timeout_s}; killed it. "
             f"Worker log {self.log_path}, last lines:\n{log_tail(self.log_path)}"
         )
+
+    def _raise_start_failure(self) -> None:
+        """The engine did not come up: EngineStartError when the worker said why, else the exit code."""
+        try:
+            self._proc.wait(timeout=SHUTDOWN_GRACE_S)
+        except subprocess.TimeoutExpired:
+            self._kill()
+        beat = self._read_heartbeat()
+        if beat is not None and beat["status"] == "failed":
+            raise EngineStartError(f"rollout engine {self.engine!r} could not start: {beat.get('error')} "
+                                   f"(worker log {self.log_path})")
+        hint = " (signal 9: killed, e.g. by the kernel's out-of-memory killer)" if self._proc.returncode == -9 else ""
+        self._raise_if_dead(f"while starting{hint}")
 
     def close(self) -> None:
         """Ask the worker to exit, then terminate / kill it if it does not. Idempotent."""

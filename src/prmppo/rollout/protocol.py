@@ -5,7 +5,8 @@ but a spool directory:
 
     <spool>/requests/<request_id>.json   written by the client, deleted by the worker when done
     <spool>/results/<request_id>.json    written by the worker, deleted by the client once read
-    <spool>/heartbeat.json               rewritten by the worker every heartbeat interval
+    <spool>/heartbeat.json               rewritten by the worker every heartbeat interval:
+                                         {pid, time, status, weights} (+ error when status is "failed")
 
 Every file is a JSON object carrying `schema_version` (== SCHEMA_VERSION) and is written
 atomically (temp file in the same directory, flush + fsync, `os.replace`), so a reader sees
@@ -36,7 +37,7 @@ from prmppo.logger.metrics import write_json_atomic as write_json
 SCHEMA_VERSION = 1
 WEIGHT_KINDS = ("base", "checkpoint", "adapter")
 FINISH_REASONS = ("stop", "length")
-HEARTBEAT_STATUSES = ("starting", "ready", "busy")
+HEARTBEAT_STATUSES = ("starting", "ready", "busy", "failed")  # "failed": the engine could not start
 # A request id becomes a file name: keep it to a portable, non-hidden set of characters.
 _REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
@@ -47,6 +48,11 @@ class SpoolFileError(PrmppoError, RuntimeError):
 
 class RolloutWorkerError(RuntimeError):
     """The rollout worker died, hung, timed out, or reported an error for a request."""
+
+
+class EngineStartError(PrmppoError, RolloutWorkerError):
+    """The worker's engine could not start (its package missing, out of memory, a model it cannot
+    serve): a setup problem, reported in one line with the cause and the worker log path."""
 
 
 # --------------------------------------------------------------------------- file I/O
@@ -239,7 +245,8 @@ class RolloutResult:
     `token_ids[r]` are response tokens only (EOS included when the row stopped on it);
     `logprobs[r][t]` is log_softmax(logits / temperature) at that token, before top-p
     truncation, so it equals what a full forward pass at the same temperature gives.
-    `weights` is what the engine actually served.
+    `weights` is what the engine actually served; `load_seconds` the time it took to load them for
+    this request (0 when they were already served), `generate_seconds` the time sampling took.
     """
 
     request_id: str
@@ -248,6 +255,7 @@ class RolloutResult:
     logprobs: list[list[float]]
     finish_reasons: list[str]
     generate_seconds: float
+    load_seconds: float
 
     def __post_init__(self) -> None:
         rows = len(self.token_ids)

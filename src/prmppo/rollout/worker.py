@@ -1,14 +1,16 @@
 """The rollout worker process: serves rollout requests from a file spool.
 
     python -m prmppo.rollout.worker --spool DIR --engine hf --base-model DIR \
-        [--device cpu] [--dtype float32] [--heartbeat-interval 1.0] [--poll-interval 0.02]
+        [--device cpu] [--dtype float32] [--engine-options JSON] [--heartbeat-interval 1.0] [--poll-interval 0.02]
 
 The trainer normally starts it through `RolloutClient`, which redirects stderr to a log file.
 What it does:
 
 1. start a heartbeat thread that rewrites `<spool>/heartbeat.json` every interval
    ({schema_version, pid, time, status, weights}); status "starting";
-2. build the engine named by `--engine` (see ENGINE_CLASSES), status "ready";
+2. build the engine named by `--engine` (see ENGINE_CLASSES), status "ready"; when it cannot be
+   built, status "failed" with a one-line `error` naming the cause (the engine's package is not
+   importable, out of memory, or the exception's first line) and exit 1;
 3. loop: take the oldest request file, load weights when the request's `WeightsSpec` differs
    from the served one, generate, write the result atomically, delete the request. A corrupt
    request or a failing generation becomes an error result (`{"request_id", "error"}`) instead
@@ -17,17 +19,20 @@ What it does:
 Exit codes: 0 after a shutdown request, 1 when the engine cannot be built, 3 when the parent
 (the trainer) is gone, 2 for bad command-line arguments.
 
-The engine seam: an engine is any class with `__init__(base_model_dir, device, dtype)`,
-`load_weights(WeightsSpec)`, a `served_weights` property and `generate(...)` with the
-arguments of `RolloutRequest` (see `hf_engine.HFEngine`). Adding one (e.g. "vllm") means one
-entry in ENGINE_CLASSES; classes are imported lazily so that an engine's heavy dependencies are
-only needed in the interpreter that runs it.
+The engine seam: an engine is any class with `__init__(base_model_dir, device, dtype, **options)`
+(`--engine-options`, a JSON object, gives the options), `load_weights(WeightsSpec)`, a
+`served_weights` property and `generate(...)` with the arguments of `RolloutRequest` (see
+`hf_engine.HFEngine`, `vllm_engine.VLLMEngine`). Adding one means one entry in ENGINE_CLASSES;
+classes are imported lazily so that an engine's heavy dependencies are only needed in the
+interpreter that runs it. This module and the protocol import only the standard library, so the
+worker runs in an engine environment where prmppo is not installed (PYTHONPATH points at it).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import os
 import sys
@@ -55,17 +60,30 @@ from prmppo.rollout.protocol import (
 LOG = logging.getLogger("prmppo.rollout.worker")
 
 # engine name -> "module:Class", imported only when chosen
-ENGINE_CLASSES = MappingProxyType({"hf": "prmppo.rollout.hf_engine:HFEngine"})
+ENGINE_CLASSES = MappingProxyType({"hf": "prmppo.rollout.hf_engine:HFEngine",
+                                   "vllm": "prmppo.rollout.vllm_engine:VLLMEngine"})
+# engine name -> the packages its interpreter must import (what the trainer's launch check probes)
+ENGINE_PACKAGES = MappingProxyType({"hf": ("torch", "transformers", "peft"), "vllm": ("vllm",)})
 EXIT_SHUTDOWN, EXIT_ENGINE_FAILED, EXIT_ORPHANED = 0, 1, 3
 
 
-def build_engine(name: str, base_model_dir: str, device: str, dtype: str):
-    """Import and construct the engine registered under `name`."""
+def build_engine(name: str, base_model_dir: str, device: str, dtype: str, options: dict | None = None):
+    """Import and construct the engine registered under `name`; `options` are its extra keyword arguments."""
     if name not in ENGINE_CLASSES:
         raise ValueError(f"engine={name!r} is unknown; valid: {sorted(ENGINE_CLASSES)}")
     module_name, class_name = ENGINE_CLASSES[name].split(":")
     engine_class = getattr(importlib.import_module(module_name), class_name)
-    return engine_class(base_model_dir=base_model_dir, device=device, dtype=dtype)
+    return engine_class(base_model_dir=base_model_dir, device=device, dtype=dtype, **(options or {}))
+
+
+def startup_cause(engine: str, err: BaseException) -> str:
+    """One line saying why engine `engine` could not be built, for the heartbeat and the trainer's error."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if isinstance(err, ImportError):
+        return f"{sys.executable} cannot import what engine {engine!r} needs: {text}"
+    if isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError":
+        return f"out of memory: {text}"
+    return f"{type(err).__name__}: {text}"
 
 
 class Heartbeat:
@@ -76,6 +94,7 @@ class Heartbeat:
         self.interval_s = interval_s
         self._status = "starting"
         self._weights: WeightsSpec | None = None
+        self._error: str | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
@@ -84,11 +103,12 @@ class Heartbeat:
         self._write()
         self._thread.start()
 
-    def update(self, status: str, weights: WeightsSpec | None) -> None:
+    def update(self, status: str, weights: WeightsSpec | None, error: str | None = None) -> None:
+        """Set what the heartbeat reports; `error` is the one-line cause of status "failed"."""
         if status not in HEARTBEAT_STATUSES:
             raise ValueError(f"heartbeat status={status!r} is invalid; valid: {HEARTBEAT_STATUSES}")
         with self._lock:
-            self._status, self._weights = status, weights
+            self._status, self._weights, self._error = status, weights, error
         self._write()
 
     def stop(self) -> None:
@@ -99,6 +119,8 @@ class Heartbeat:
         with self._lock:  # one writer at a time: the loop thread and the heartbeat thread
             weights = None if self._weights is None else asdict(self._weights)
             beat = {"pid": os.getpid(), "time": time.time(), "status": self._status, "weights": weights}
+            if self._error is not None:
+                beat["error"] = self._error
             write_json_atomic(self.path, beat)
 
     def _run(self) -> None:
@@ -118,9 +140,11 @@ def _serve(engine, request: RolloutRequest, spool: SpoolPaths, heartbeat: Heartb
     """Load weights if needed, generate, write the result; errors become an error result."""
     heartbeat.update("busy", engine.served_weights)
     try:
+        start = time.perf_counter()
         if request.weights != engine.served_weights:
             LOG.info("request %s: loading weights %s", request.request_id, request.weights)
             engine.load_weights(request.weights)
+        load_seconds = time.perf_counter() - start
         start = time.perf_counter()
         token_ids, logprobs, finish_reasons = engine.generate(
             prompt_token_ids=request.prompt_token_ids,
@@ -134,10 +158,11 @@ def _serve(engine, request: RolloutRequest, spool: SpoolPaths, heartbeat: Heartb
         )
         seconds = time.perf_counter() - start
         result = RolloutResult(
-            request.request_id, engine.served_weights, token_ids, logprobs, finish_reasons, seconds
+            request.request_id, engine.served_weights, token_ids, logprobs, finish_reasons, seconds, load_seconds
         )
         write_json_atomic(spool.result(request.request_id), result.to_dict())
-        LOG.info("request %s: %d rows in %.2fs", request.request_id, len(token_ids), seconds)
+        LOG.info("request %s: %d rows in %.2fs (weights loaded in %.3fs)", request.request_id, len(token_ids),
+                 seconds, load_seconds)
     except Exception:  # noqa: BLE001 - reported to the client with the traceback
         _write_error(spool, request.request_id, traceback.format_exc())
     finally:
@@ -191,11 +216,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--base-model", required=True, help="local HF-layout model directory")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--engine-options", type=json.loads, default={},
+                        help="JSON object of extra keyword arguments for the engine class")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
     parser.add_argument("--poll-interval", type=float, default=0.02, help="seconds")
     args = parser.parse_args(argv)
     if args.heartbeat_interval <= 0 or args.poll_interval <= 0:
         parser.error("--heartbeat-interval and --poll-interval must be > 0 seconds")
+    if not isinstance(args.engine_options, dict):
+        parser.error(f"--engine-options must be a JSON object, got {args.engine_options!r}")
     return args
 
 
@@ -211,13 +240,14 @@ def main(argv: list[str] | None = None) -> int:
     spool.make_dirs()
     heartbeat = Heartbeat(spool.heartbeat, args.heartbeat_interval)
     heartbeat.start()
-    LOG.info(
-        "starting engine %r on %s (%s) from %s", args.engine, args.device, args.dtype, args.base_model
-    )
+    LOG.info("starting engine %r on %s (%s) from %s with options %s", args.engine, args.device, args.dtype,
+             args.base_model, args.engine_options)
     try:
-        engine = build_engine(args.engine, args.base_model, args.device, args.dtype)
-    except Exception:  # noqa: BLE001 - logged with the traceback, the client reads the log
+        engine = build_engine(args.engine, args.base_model, args.device, args.dtype, args.engine_options)
+    except Exception as err:  # noqa: BLE001 - logged with the traceback, the cause goes to the client
         LOG.error("engine %r could not be built:\n%s", args.engine, traceback.format_exc())
+        heartbeat.update("failed", None, error=startup_cause(args.engine, err))
+        heartbeat.stop()
         return EXIT_ENGINE_FAILED
     try:
         return serve_forever(engine, spool, heartbeat, args.poll_interval, parent_pid)

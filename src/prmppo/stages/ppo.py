@@ -36,7 +36,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -51,14 +50,39 @@ from prmppo.logger import MetricsLogger, write_json_atomic
 log = logging.getLogger("prmppo")
 
 
+def engine_options(cfg: DictConfig) -> dict:
+    """The engine's own keyword arguments: vLLM's memory share, LoRA rank (0: no LoRA) and seed."""
+    if cfg.rollout.engine != "vllm":
+        return {}
+    rank = cfg.lora.r if cfg.rollout.sync == "adapter" else 0
+    return {"gpu_memory_utilization": cfg.rollout.gpu_memory_utilization, "max_lora_rank": rank, "seed": cfg.seed}
+
+
 def _engine(cfg: DictConfig, base_dir: Path, run_dir: Path):
-    from prmppo.rollout.client import RolloutClient
+    from prmppo.rollout.client import RolloutClient, resolve_python
 
     return RolloutClient(
         spool_dir=run_dir / "spool", engine=cfg.rollout.engine, base_model_dir=str(base_dir),
         log_path=run_dir / "worker.log", device=cfg.topology.engine_device, dtype=cfg.model.dtype,
-        python=cfg.rollout.python or sys.executable, startup_timeout_s=cfg.rollout.startup_timeout_s,
-        request_timeout_s=cfg.rollout.request_timeout_s, heartbeat_timeout_s=cfg.rollout.heartbeat_timeout_s)
+        python=resolve_python(cfg.rollout.python), startup_timeout_s=cfg.rollout.startup_timeout_s,
+        request_timeout_s=cfg.rollout.request_timeout_s, heartbeat_timeout_s=cfg.rollout.heartbeat_timeout_s,
+        engine_options=engine_options(cfg))
+
+
+def _model_head_dim(model: DictConfig) -> tuple[int | None, str]:
+    """The attention head size the model config implies, and where it came from; None when unknown yet."""
+    if "num_attention_heads" in model:  # built from code (model=tiny)
+        return model.hidden_size // model.num_attention_heads, (
+            f"model.hidden_size={model.hidden_size} / model.num_attention_heads={model.num_attention_heads}")
+    config = Path(model.path) / "config.json" if "path" in model else None
+    if config is None or not config.is_file():
+        return None, ""  # the model dir is checked (and refused by name) when it loads
+    from prmppo.rollout.vllm_engine import model_head_dim
+
+    try:
+        return model_head_dim(json.loads(config.read_text())), str(config)
+    except (json.JSONDecodeError, KeyError, TypeError, ZeroDivisionError):
+        return None, ""
 
 
 def banner(cfg: DictConfig, tokenizer, shape, base_dir: Path, policy, gates: dict) -> dict:
@@ -81,19 +105,21 @@ def banner(cfg: DictConfig, tokenizer, shape, base_dir: Path, policy, gates: dic
 
 
 def early_gates(cfg: DictConfig, task) -> dict:
-    """The gates that need no model: verifier receipt, topology and the source of step scores (a
-    step-level reward with `scorer=oracle` needs the task's checker). Runners call this right after
-    the task is built, before SFT or any weights, so a broken setup fails in seconds.
+    """The gates that need no model: verifier receipt, topology, the rollout engine's interpreter and the
+    source of step scores (a step-level reward with `scorer=oracle` needs the task's checker). Runners
+    call this right after the task is built, before SFT or any weights, so a broken setup fails in seconds.
 
     Config validation ran in `app.run`; horizon consistency runs when `PPOTrainer` is built.
     """
     from prmppo.app import build
-    from prmppo.guards.gates import check_step_scorer, check_topology, verifier_receipt
+    from prmppo.guards.gates import check_rollout_engine, check_step_scorer, check_topology, verifier_receipt
 
     topology = cfg.topology
     return {"verifier_receipt": verifier_receipt(task, seed=cfg.seed),
             "topology": check_topology(topology.train_device, topology.engine_device, topology.train_world_size,
                                        topology.colocated),
+            "rollout_engine": check_rollout_engine(cfg.rollout.engine, cfg.rollout.python,
+                                                   *_model_head_dim(cfg.model)),
             "step_scorer": check_step_scorer(task, build(cfg.reward, "reward"))}
 
 
