@@ -188,9 +188,24 @@ MISSING_HINTS = {
 }
 
 
+def _missing_keys(node: DictConfig, prefix: str = "") -> list[str]:
+    """Dotted names of keys left `???`, without resolving interpolations (run_dir needs Hydra's runtime)."""
+    found = []
+    for key in node.keys():
+        name = f"{prefix}{key}"
+        if name == "hydra":  # Hydra's own node, present only when composed with return_hydra_config
+            continue
+        if OmegaConf.is_missing(node, key):
+            found.append(name)
+        elif OmegaConf.is_dict(node._get_node(key)) and not OmegaConf.is_interpolation(node, key) \
+                and node[key] is not None:
+            found += _missing_keys(node[key], f"{name}.")
+    return found
+
+
 def _check_missing(problems: list[str], cfg: DictConfig) -> None:
     """Keys left `???` (no default: the user must give them) are refused by name before any work."""
-    for key in sorted(OmegaConf.missing_keys(cfg)):
+    for key in sorted(_missing_keys(cfg)):
         hint = MISSING_HINTS.get(key, "give it on the command line or in an experiment file")
         problems.append(f"{key} is not set: {hint}")
 

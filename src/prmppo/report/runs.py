@@ -129,10 +129,15 @@ def swept_keys(runs: list[Run]) -> list[str]:
 
 
 def _value(run: Run, key: str) -> str:
+    """The run's value of a swept key: as typed, else its config value; a group choice left at its
+    default is `default`, and a key this run's config does not have (another arm's reward key) is inert."""
     if key in run.overrides:
         return run.overrides[key]
-    selected = OmegaConf.select(run.config, key, default=None, throw_on_missing=False)
-    return "default" if selected is None or isinstance(selected, DictConfig) else str(selected)
+    missing = object()
+    selected = OmegaConf.select(run.config, key, default=missing, throw_on_missing=False)
+    if selected is missing:
+        return INERT
+    return "default" if isinstance(selected, DictConfig) else str(selected)
 
 
 @dataclass
