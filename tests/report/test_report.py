@@ -151,3 +151,15 @@ def test_report_cli_refuses_a_dir_without_runs_in_one_line(tmp_path):
                           timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("prmppo.report: error: no runs under") and len(proc.stderr.splitlines()) == 1
+
+
+def test_a_reward_choice_belongs_to_the_arm_and_still_pairs_with_orm(tmp_path):
+    # two separate sweeps read together: arm=prm reward=prm_oracle, and arm=orm
+    for seed in (0, 1):
+        _make_run(tmp_path / "oracle", f"p{seed}", ["arm=prm", "reward=prm_oracle", f"seed={seed}"], [0.3, 0.6 + seed / 10])
+        _make_run(tmp_path / "orm", f"o{seed}", ["arm=orm", f"seed={seed}"], [0.3, 0.5 + seed / 10])
+    grouping = group_runs(find_runs([tmp_path / "oracle", tmp_path / "orm"]))
+    assert grouping.keys == ["reward"]
+    assert sorted(grouping.groups) == [("orm", "default"), ("prm", "prm_oracle")]
+    (diff,) = difference_rows(grouping)
+    assert diff.prm == ("prm", "prm_oracle") and diff.difference.mean == pytest.approx(0.1)

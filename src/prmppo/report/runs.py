@@ -7,6 +7,8 @@ accuracy during PPO). Runs group by arm and by the swept keys (override keys who
 between the runs, `seed` excepted: seeds are the replicates). A swept key that a run never reads
 (`config.validate.inert_keys`, e.g. `reward.eta` for the ORM arm) shows as `-` for that run and
 does not split its group; runs of one group that share a seed are averaged into one replicate.
+A swept `reward` choice (e.g. `arm=prm reward=prm_oracle` beside `arm=orm`) labels the group but
+belongs to the arm, so such PRM groups are still compared with the matching ORM groups.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ log = logging.getLogger("prmppo")
 
 NOT_GROUPING = ("seed", "artifacts_dir", "run_dir", "max_wall_seconds")  # replicates and locations
 INERT = "-"  # group value of a swept key that the run never reads
+# keys the arm itself chooses (arm=prm selects reward=prm): part of an arm's identity, so they never
+# keep a PRM group from being compared with the ORM groups
+ARM_KEYS = ("reward",)
 
 
 class ReportError(PrmppoError):

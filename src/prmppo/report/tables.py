@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from prmppo.report.runs import INERT, Grouping, per_seed
+from prmppo.report.runs import ARM_KEYS, INERT, Grouping, per_seed
 from prmppo.report.stats import Estimate, difference_ci, mean_ci
 
 ACCURACY = {"greedy": "eval/test_greedy_accuracy", "sampled": "eval/test_sampled_accuracy"}
@@ -51,8 +51,8 @@ def group_rows(grouping: Grouping, threshold: float) -> list[GroupRow]:
     return rows
 
 
-def _compatible(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
-    return all(x == y or INERT in (x, y) for x, y in zip(a[1:], b[1:]))
+def _compatible(grouping: Grouping, a: tuple[str, ...], b: tuple[str, ...]) -> bool:
+    return all(x == y or INERT in (x, y) or key in ARM_KEYS for key, x, y in zip(grouping.keys, a[1:], b[1:]))
 
 
 @dataclass
@@ -74,7 +74,7 @@ def difference_rows(grouping: Grouping, metric: str = ACCURACY["greedy"]) -> lis
         if prm[0] != "prm" or not prm_final:
             continue
         for orm, orm_final in finals.items():
-            if orm[0] == "orm" and orm_final and _compatible(prm, orm):
+            if orm[0] == "orm" and orm_final and _compatible(grouping, prm, orm):
                 estimate, pairing = difference_ci(prm_final, orm_final)
                 rows.append(DifferenceRow(prm, orm, estimate, pairing, mean_ci(list(prm_final.values())).mean,
                                           mean_ci(list(orm_final.values())).mean))
