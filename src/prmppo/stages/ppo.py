@@ -13,6 +13,11 @@ the ratio tripwire and the canary (`guards/tripwires.py`, `guards/canary.py`) un
 `summary.alarms`. The SFT checkpoint for the same config is reused, or trained first when there
 is none.
 
+Test accuracy during PPO: before the first iteration, every `eval.every` iterations and after the
+last, greedy and sampled accuracy on the first `eval.during_ppo_problems` test problems, logged as
+rows with `"stage": "ppo_eval"` (x axis `eval/ppo_iterations`, the iterations done); canary checks
+add `canary/` metrics to the iteration's row.
+
 Stop and resume (`ppo/checkpoint.py`): a resumable checkpoint is saved every
 `checkpoint_every(ppo.iterations, rollout.sync_every_iterations)` iterations (about 4 per run, on
 sync boundaries), after the last iteration and at a coordinated stop. SIGTERM or `max_wall_seconds`
