@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
+
 from prmppo import artifacts
 from prmppo.errors import StopRequested
 from prmppo.logger import write_json_atomic
@@ -225,8 +226,9 @@ def _trim_jsonl(path: Path, keep) -> list[dict]:
 
 
 def _trim_run_files(run_dir: Path, start_iteration: int) -> list[dict]:
-    """Drop PPO rows of iterations >= `start_iteration` (logged after the checkpoint, before a kill) from
-    metrics.jsonl and canary.jsonl, so each reads as one run; returns the kept PPO metrics rows."""
+    """Drop PPO and test-evaluation (`ppo_eval`) rows of iterations >= `start_iteration` (logged after the
+    checkpoint, before a kill) from metrics.jsonl and canary.jsonl, so each reads as one run; returns the
+    kept PPO metrics rows."""
     rows = _trim_jsonl(run_dir / "metrics.jsonl",
                        lambda r: r["stage"] not in ("ppo", "ppo_eval") or r["step"] < start_iteration)
     _trim_jsonl(run_dir / "canary.jsonl", lambda r: r["iteration"] < start_iteration)
