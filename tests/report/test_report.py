@@ -45,6 +45,9 @@ def _make_run(root: Path, name: str, overrides: list[str], finals: list[float], 
     cfg = compose_config(overrides)
     OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
     OmegaConf.save(OmegaConf.create(overrides), run_dir / ".hydra" / "overrides.yaml")
+    reward = next((o.split("=")[1] for o in overrides if o.startswith("reward=")), cfg.arm.name)
+    OmegaConf.save({"hydra": {"runtime": {"choices": {"arm": cfg.arm.name, "reward": reward}}}},
+                   run_dir / ".hydra" / "hydra.yaml")  # the group options Hydra records
     result = {"status": status, "arm": cfg.arm.name, "seed": cfg.seed}
     if status == "failed":
         result["error"] = {"message": "invalid config: ppo.lr=0 must be > 0", "type": "ConfigError"}
@@ -160,6 +163,6 @@ def test_a_reward_choice_belongs_to_the_arm_and_still_pairs_with_orm(tmp_path):
         _make_run(tmp_path / "orm", f"o{seed}", ["arm=orm", f"seed={seed}"], [0.3, 0.5 + seed / 10])
     grouping = group_runs(find_runs([tmp_path / "oracle", tmp_path / "orm"]))
     assert grouping.keys == ["reward"]
-    assert sorted(grouping.groups) == [("orm", "default"), ("prm", "prm_oracle")]
+    assert sorted(grouping.groups) == [("orm", "orm"), ("prm", "prm_oracle")]
     (diff,) = difference_rows(grouping)
     assert diff.prm == ("prm", "prm_oracle") and diff.difference.mean == pytest.approx(0.1)

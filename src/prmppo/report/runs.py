@@ -48,6 +48,7 @@ class Run:
     inert: list[str]
     rows: list[dict] = field(repr=False)
     error: str | None = None
+    choices: dict[str, str] = field(default_factory=dict)  # config group -> option (`.hydra/hydra.yaml`)
 
     def series(self, stage: str, metric: str, x_key: str | None = None) -> dict[int, float]:
         """`{x: value}` of `metric` in rows of `stage`; x is `x_key`'s value or, by default, iterations done
@@ -95,6 +96,9 @@ def read_run(path: Path) -> Run:
         config = OmegaConf.load(path / ".hydra" / "config.yaml")
         overrides_file = path / ".hydra" / "overrides.yaml"
         overrides = [str(o) for o in OmegaConf.load(overrides_file)] if overrides_file.exists() else []
+        hydra_file = path / ".hydra" / "hydra.yaml"
+        choices = OmegaConf.to_container(OmegaConf.load(hydra_file).hydra.runtime.choices) if hydra_file.exists() \
+            else {}
     except Exception as err:  # yaml's own error types
         raise ReportError(f"{path / '.hydra'} cannot be read: {err}") from None
     result = _read_json(path / "stage_result.json") if (path / "stage_result.json").exists() else {}
@@ -105,7 +109,7 @@ def read_run(path: Path) -> Run:
         pairs[key] = value
     return Run(path=path, arm=str(config.arm.name), seed=int(config.seed), status=result.get("status", "incomplete"),
                overrides=pairs, config=config, inert=inert_keys(config), rows=_read_metrics(path / "metrics.jsonl"),
-               error=error)
+               error=error, choices={str(k): str(v) for k, v in choices.items()})
 
 
 def find_runs(paths: list[str | Path]) -> list[Run]:
@@ -134,10 +138,12 @@ def swept_keys(runs: list[Run]) -> list[str]:
 
 
 def _value(run: Run, key: str) -> str:
-    """The run's value of a swept key: as typed, else its config value; a group choice left at its
-    default is `default`, and a key this run's config does not have (another arm's reward key) is inert."""
+    """The run's value of a swept key: as typed, else the group option Hydra recorded, else its config
+    value; a key this run's config does not have (another arm's reward key) is inert."""
     if key in run.overrides:
         return run.overrides[key]
+    if key in run.choices:  # a config group's option, e.g. reward=orm chosen by arm=orm
+        return run.choices[key]
     missing = object()
     selected = OmegaConf.select(run.config, key, default=missing, throw_on_missing=False)
     if selected is missing:
