@@ -55,3 +55,24 @@ def vllm_python() -> str:
     if os.environ.get("PRMPPO_REQUIRE_VLLM") == "1":
         pytest.fail(reason + "; PRMPPO_REQUIRE_VLLM=1 requires it")
     pytest.skip(reason)
+
+
+def run_prmppo(args: list[str], cwd: Path, timeout: float = 300):
+    """`python -m prmppo <args>` as a user would type it (a subprocess); returns the CompletedProcess."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "prmppo", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def tiny_sweep(tmp_path_factory) -> Path:
+    """A real multirun through Hydra's basic launcher: 2 arms x 2 seeds, 3 PPO iterations on smoke shapes,
+    test accuracy logged every iteration. Returns the sweep dir (shared by the report and notebook tests)."""
+    root = tmp_path_factory.mktemp("tiny_sweep")
+    sweep_dir = root / "multirun"
+    proc = run_prmppo(["-m", "stage=ppo", "debug=smoke", "arm=prm,orm", "seed=0,1", "ppo.iterations=3",
+                       f"artifacts_dir={root / 'artifacts'}", f"hydra.sweep.dir={sweep_dir}"], cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return sweep_dir

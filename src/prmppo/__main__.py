@@ -2,9 +2,10 @@
 
 A thin shell around `prmppo.app.run(cfg)`, which holds all the logic and is testable without
 Hydra. `python -m prmppo --help` lists the config groups and their options; `--cfg job`
-prints the composed config.
+prints the composed config. `python -m prmppo -m key=a,b ...` runs a sweep (see `prmppo.sweep`).
 
-Exit codes: 0 success; 1 crash (a bug or an unexpected failure, with a traceback);
+Exit codes: 0 success; 1 crash (a bug or an unexpected failure, with a traceback), or a sweep in
+which some job failed (each job's `stage_result.json` says why; `sweep_result.json` lists them);
 2 refused (bad config, bad input file, failed launch gate: one line saying why);
 3 stopped (SIGTERM or `max_wall_seconds`: a checkpoint was saved; relaunch the same command with
 the same run dir, `hydra.run.dir=<dir>`, to resume).
@@ -14,6 +15,8 @@ import sys
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from prmppo.config.schema import register_schemas
@@ -25,11 +28,16 @@ register_schemas()
 
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> float:
     from prmppo.app import run
+    from prmppo.sweep import objective_value, run_sweep_job, warn_inert_overrides
 
+    hydra_cfg = HydraConfig.get()
+    warn_inert_overrides(cfg, list(hydra_cfg.overrides.task))
     try:
-        run(cfg)
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            return run_sweep_job(cfg)  # a failed job is recorded and the sweep goes on
+        return objective_value(run(cfg), cfg.objective)
     except PrmppoError as err:
         print(f"prmppo: refused: {err}", file=sys.stderr)
         sys.exit(EXIT_REFUSED)

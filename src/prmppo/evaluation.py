@@ -13,6 +13,7 @@ from math import comb
 
 import torch
 
+from prmppo.logger.console import progress
 from prmppo.rollout.hf_engine import sample_responses
 
 
@@ -24,12 +25,14 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def generate_texts(model, tokenizer, prompts: list[str], *, n: int, temperature: float, max_new_tokens: int,
-                   batch_rows: int, seed: int) -> list[str]:
+                   batch_rows: int, seed: int, show_progress: bool = False) -> list[str]:
     """Decoded responses, prompt-major (`n` per prompt); temperature 0 means greedy."""
     prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
     per_batch = max(1, batch_rows // n)
     texts: list[str] = []
-    for start in range(0, len(prompt_ids), per_batch):
+    batches = range(0, len(prompt_ids), per_batch)
+    desc = "greedy" if temperature == 0 else f"sampling x{n}"
+    for start in progress(batches, desc=desc, unit="batch", enabled=show_progress, leave=False):
         generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed + start)
         tokens, _, _ = sample_responses(
             model, prompt_ids[start:start + per_batch], n_samples_per_prompt=n, max_new_tokens=max_new_tokens,
@@ -40,7 +43,7 @@ def generate_texts(model, tokenizer, prompts: list[str], *, n: int, temperature:
 
 
 def score(model, tokenizer, task, problems, *, k: int, temperature: float, max_new_tokens: int,
-          batch_rows: int, seed: int, greedy: bool = True) -> dict[str, float]:
+          batch_rows: int, seed: int, greedy: bool = True, show_progress: bool = False) -> dict[str, float]:
     """`greedy_accuracy`, `sampled_accuracy` (mean over k samples) and `pass@k` over `problems`."""
     was_training = model.training
     model.eval()
@@ -48,11 +51,12 @@ def score(model, tokenizer, task, problems, *, k: int, temperature: float, max_n
     result: dict[str, float] = {"n_problems": float(len(problems))}
     if greedy:
         texts = generate_texts(model, tokenizer, prompts, n=1, temperature=0.0, max_new_tokens=max_new_tokens,
-                               batch_rows=batch_rows, seed=seed)
+                               batch_rows=batch_rows, seed=seed, show_progress=show_progress)
         result["greedy_accuracy"] = sum(task.verify(p, t) for p, t in zip(problems, texts)) / len(problems)
     if k > 0:
         texts = generate_texts(model, tokenizer, prompts, n=k, temperature=temperature,
-                               max_new_tokens=max_new_tokens, batch_rows=batch_rows, seed=seed)
+                               max_new_tokens=max_new_tokens, batch_rows=batch_rows, seed=seed,
+                               show_progress=show_progress)
         correct = [sum(task.verify(p, texts[i * k + j]) for j in range(k)) for i, p in enumerate(problems)]
         result["sampled_accuracy"] = sum(correct) / (k * len(problems))
         result[f"pass@{k}"] = sum(pass_at_k(k, c, k) for c in correct) / len(problems)

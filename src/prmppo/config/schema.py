@@ -110,6 +110,10 @@ class RewardConfig:
     correct_reward: float = 1.0
     wrong_reward: float = 0.0
     w_outcome: float = 1.0
+    # threshold of the PRM's `clip` transform, min(s - eta, 0). Every reward has the key so one
+    # sweep can cross `arm=prm,orm` with `reward.eta=...`; only reward=prm/prm_oracle with
+    # transform=clip reads it (see `config.validate.inert_keys`; reports do not split groups on it)
+    eta: float = 1.0
 
 
 @dataclass
@@ -123,9 +127,6 @@ class ProcessRewardConfig(RewardConfig):
     # plain | centered | log | clip | delta | min_form
     transform: str = "plain"
     w_prm: float = 1.0
-    # threshold of the `clip` transform, min(s - eta, 0); unused by the other transforms
-    # (w_prm scales the process term)
-    eta: float = 1.0
     # softmax temperature of `min_form`
     min_form_temperature: float = 0.1
     # probability of flipping a step score (s -> 1 - s), to study reward hacking; in [0, 1]
@@ -290,6 +291,14 @@ class EvalConfig:
     max_new_tokens: int = 64
     # rows per generation batch
     batch_rows: int = 256
+    # test evaluation during PPO (rows `stage: ppo_eval` in metrics.jsonl: `eval/test_greedy_accuracy`,
+    # `eval/test_sampled_accuracy` at `eval/ppo_iterations` done): before the first iteration,
+    # every this many iterations and after the last; 0 = off
+    every: int = 10
+    # the first this many `test` problems, the same ones each time; > 0
+    during_ppo_problems: int = 64
+    # samples per problem at `temperature` for the sampled accuracy; 0 = greedy only
+    during_ppo_k: int = 4
 
 
 # --------------------------------------------------------------------------- prm stage
@@ -357,12 +366,14 @@ class CanaryConfig:
 @dataclass
 class LoggerConfig:
     # metrics.jsonl is always written; these add outputs on top
+    # progress bars (only on an interactive terminal) and one summary line per PPO iteration
     console: bool = True
     wandb: bool = False
     wandb_project: str = "prmppo"
     wandb_entity: Optional[str] = None
-    # offline | online | disabled
-    wandb_mode: str = "offline"
+    # W&B mode: auto (online when an API key is configured: WANDB_API_KEY or a netrc entry from
+    # `wandb login`; else offline) | offline | online (needs a key)
+    mode: str = "auto"
 
 
 # --------------------------------------------------------------------------- root
@@ -394,6 +405,9 @@ class RootConfig:
     run_dir: str = "${hydra:runtime.output_dir}"
     # max seconds of wall time before a coordinated stop; 0 = unlimited
     max_wall_seconds: float = 0.0
+    # the number `python -m prmppo` returns to a Hydra sweeper (e.g. Optuna): a dotted path into the
+    # stage's summary (stage_result.json); a run without it (or a failed run) returns nan
+    objective: str = "eval.ppo.greedy_accuracy"
 
 
 SCHEMAS: dict[str, dict[str, type]] = {

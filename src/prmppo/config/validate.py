@@ -8,7 +8,13 @@ valid. It runs on the composed config before any model, tokenizer or dataset is 
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+import importlib.util
+import netrc
+import os
+from pathlib import Path
+from urllib.parse import urlparse
+
+from omegaconf import DictConfig, OmegaConf
 
 from prmppo.errors import PrmppoError
 
@@ -22,7 +28,7 @@ ENGINES = ("hf", "vllm")
 TRANSFORMS = ("plain", "centered", "log", "clip", "delta", "min_form")
 SCORERS = ("learned", "oracle")
 DTYPES = ("float32", "bfloat16", "float16")
-WANDB_MODES = ("offline", "online", "disabled")
+WANDB_MODES = ("auto", "offline", "online")
 LABEL_SOURCES = ("checker", "monte_carlo")
 ESTIMATIONS = ("hard", "soft")
 PRM_HEADS = ("classifier", "label_tokens")
@@ -112,7 +118,7 @@ def _check_rest(problems: list[str], cfg: DictConfig) -> None:
     _choice(problems, "model.dtype", cfg.model.dtype, DTYPES)
     _choice(problems, "rollout.engine", cfg.rollout.engine, ENGINES)
     _choice(problems, "rollout.sync", cfg.rollout.sync, SYNC_MODES)
-    _choice(problems, "logger.wandb_mode", cfg.logger.wandb_mode, WANDB_MODES)
+    _choice(problems, "logger.mode", cfg.logger.mode, WANDB_MODES)
     _positive(problems, cfg.rollout, "rollout", "sync_every_iterations", "startup_timeout_s",
               "request_timeout_s", "heartbeat_timeout_s")
     if not 0 < cfg.rollout.gpu_memory_utilization <= 1:
@@ -135,7 +141,11 @@ def _check_rest(problems: list[str], cfg: DictConfig) -> None:
     _positive(problems, sft, "sft", "batch_rows", "lr", "max_new_tokens")
     if sft.steps and sft.warmup_steps >= sft.steps:
         problems.append(f"sft.warmup_steps={sft.warmup_steps} must be < sft.steps={sft.steps}")
-    _positive(problems, cfg.eval, "eval", "n_problems", "k", "temperature", "max_new_tokens", "batch_rows")
+    _positive(problems, cfg.eval, "eval", "n_problems", "k", "temperature", "max_new_tokens", "batch_rows",
+              "during_ppo_problems")
+    if cfg.eval.every < 0 or cfg.eval.during_ppo_k < 0:
+        problems.append(f"eval.every={cfg.eval.every} and eval.during_ppo_k={cfg.eval.during_ppo_k} must be >= 0 "
+                        "(0 turns the test evaluation during PPO off / makes it greedy only)")
     if cfg.canary.every < 0:
         problems.append(f"canary.every={cfg.canary.every} must be >= 0 (0 turns the canary off)")
     _positive(problems, cfg.canary, "canary", "n_problems")
@@ -174,15 +184,88 @@ def _check_available(problems: list[str], cfg: DictConfig) -> None:
     if cfg.topology.train_world_size > 1:
         problems.append(f"topology.train_world_size={cfg.topology.train_world_size}: multi-rank (FSDP2) training "
                         "is not available yet: use topology=cpu or topology=gpu")
-    if cfg.logger.wandb:
-        problems.append("logger.wandb=true: W&B logging is not available yet; metrics.jsonl holds every metric "
-                        "(logger=console)")
+
+
+
+# what to give for a key that has no default (`???` in YAML), keyed by its dotted name
+MISSING_HINTS = {
+    "model.path": "a local Hugging Face-layout checkpoint directory (config.json, tokenizer files, *.safetensors), "
+                  "e.g. model.path=/ckpt/mistral-7b",
+    "task.data_dir": "the directory holding the task's JSONL files, e.g. task.data_dir=/data/gsm8k",
+}
+
+
+def _missing_keys(node: DictConfig, prefix: str = "") -> list[str]:
+    """Dotted names of keys left `???`, without resolving interpolations (run_dir needs Hydra's runtime)."""
+    found = []
+    for key in node.keys():
+        name = f"{prefix}{key}"
+        if name == "hydra":  # Hydra's own node, present only when composed with return_hydra_config
+            continue
+        if OmegaConf.is_missing(node, key):
+            found.append(name)
+        elif OmegaConf.is_dict(node._get_node(key)) and not OmegaConf.is_interpolation(node, key) \
+                and node[key] is not None:
+            found += _missing_keys(node[key], f"{name}.")
+    return found
+
+
+def _check_missing(problems: list[str], cfg: DictConfig) -> None:
+    """Keys left `???` (no default: the user must give them) are refused by name before any work."""
+    for key in sorted(_missing_keys(cfg)):
+        hint = MISSING_HINTS.get(key, "give it on the command line or in an experiment file")
+        problems.append(f"{key} is not set: {hint}")
+
+
+def wandb_key_configured(environ=os.environ) -> bool:
+    """True when W&B has an API key without asking: WANDB_API_KEY, or a netrc entry for the W&B host
+    (what `wandb login` writes; the host comes from WANDB_BASE_URL, default api.wandb.ai)."""
+    if environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    path = Path(environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        return bool(path.is_file() and netrc.netrc(path).authenticators(host))
+    except (netrc.NetrcParseError, OSError):
+        return False
+
+
+def _check_wandb(problems: list[str], logger: DictConfig) -> None:
+    if not logger.wandb:
+        return
+    if importlib.util.find_spec("wandb") is None:
+        problems.append("logger.wandb=true needs the wandb package, which is not installed: "
+                        "pip install 'prmppo[wandb]' (or use logger=console; metrics.jsonl has every metric)")
+    elif logger.mode == "online" and not wandb_key_configured():
+        problems.append("logger.mode=online but no W&B API key is configured (set WANDB_API_KEY or run "
+                        "`wandb login`); logger.mode=offline writes the run under <run_dir>/wandb for a later "
+                        "`wandb sync`")
+
+
+def inert_keys(cfg: DictConfig) -> list[str]:
+    """Keys this run's code never reads under its own config, so a sweep over them repeats the same run.
+
+    `reward.eta` is only the `clip` transform's threshold (every other transform, and the ORM arm,
+    ignores it); `reward.min_form_temperature` only matters for `min_form`. Recorded in
+    `stage_result.json`, warned about when swept, and used by `prmppo.report` so that such a key
+    does not split a group.
+    """
+    reward = cfg.reward
+    transform = reward.transform if "transform" in reward else None
+    inert = []
+    if transform != "clip":
+        inert.append("reward.eta")
+    if transform is not None and transform != "min_form":
+        inert.append("reward.min_form_temperature")
+    return inert
 
 
 def validate_config(cfg: DictConfig) -> None:
     """Raise `ConfigError` listing every cross-field problem in `cfg`; return None when it can run."""
     problems: list[str] = []
+    _check_missing(problems, cfg)
     _check_available(problems, cfg)
+    _check_wandb(problems, cfg.logger)
     _check_rest(problems, cfg)
     _check_task(problems, cfg.task)
     _check_ppo(problems, cfg.ppo)

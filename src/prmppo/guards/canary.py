@@ -26,6 +26,7 @@ class Canary:
     evaluate: Callable[[list], float]
     best: float = field(default=float("-inf"), init=False)
     best_iteration: int = field(default=-1, init=False)
+    last: float | None = field(default=None, init=False)  # the accuracy of the latest check
 
     def due(self, iteration: int) -> bool:
         return self.every > 0 and (iteration + 1) % self.every == 0
@@ -35,6 +36,7 @@ class Canary:
         if not self.due(iteration):
             return []
         accuracy = float(self.evaluate(self.problems))
+        self.last = accuracy
         alarms = []
         if self.best - accuracy > self.max_drop:
             alarms.append(f"canary greedy accuracy {accuracy:.3f} on {len(self.problems)} held-out problems fell "

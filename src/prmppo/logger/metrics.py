@@ -2,7 +2,8 @@
 
 JSONL is always written and flushed line by line, so a killed run keeps every metric it logged
 and reports read the same file whatever else is configured. Console output is one short line
-per `log` call when `console` is on; W&B (issue-level opt-in) mirrors the same dicts.
+per `log(..., echo=True)` call when `console` is on; sinks (e.g. `WandbSink`, `logger=wandb`)
+receive every row after it is on disk and are closed with the logger.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -51,19 +53,24 @@ def _clean(value: Any) -> Any:
 class MetricsLogger:
     """Appends `{"stage", "step", "time", **metrics}` lines to `<run_dir>/metrics.jsonl`."""
 
-    def __init__(self, run_dir: str | Path, stage: str, console: bool = True, filename: str = "metrics.jsonl"):
+    def __init__(self, run_dir: str | Path, stage: str, console: bool = True, filename: str = "metrics.jsonl",
+                 sinks: Sequence[Any] = ()):
         self.path = Path(run_dir) / filename
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.stage = stage
         self.console = console
+        self.sinks = list(sinks)  # objects with log(step, row) and close()
         self._start = time.time()
         self._handle = open(self.path, "a")
 
-    def log(self, step: int, metrics: dict[str, Any], echo: bool = False) -> None:
-        row = {"stage": self.stage, "step": step, "time": round(time.time() - self._start, 3)}
+    def log(self, step: int, metrics: dict[str, Any], echo: bool = False, stage: str | None = None) -> None:
+        """Append one row; `stage` labels it differently from the logger's own stage (e.g. `ppo_eval`)."""
+        row = {"stage": stage or self.stage, "step": step, "time": round(time.time() - self._start, 3)}
         row.update({key: _clean(value) for key, value in metrics.items()})
         self._handle.write(json.dumps(row) + "\n")
         self._handle.flush()
+        for sink in self.sinks:
+            sink.log(step, row)
         if echo and self.console:
             shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                              for k, v in row.items() if k not in ("stage", "time"))
@@ -71,6 +78,8 @@ class MetricsLogger:
 
     def close(self) -> None:
         self._handle.close()
+        for sink in self.sinks:
+            sink.close()
 
     def __enter__(self) -> "MetricsLogger":
         return self

@@ -27,6 +27,7 @@ import torch
 
 from prmppo.errors import PrmppoError
 from prmppo.guards.tripwires import SkipBudget
+from prmppo.logger.console import progress
 from prmppo.ppo import maths
 from prmppo.ppo.batch import RolloutBatch, TrainBatch, collate, pad_floats
 from prmppo.ppo.sync import WeightSync
@@ -69,7 +70,8 @@ class PPOTrainer:
     """Runs PPO iterations for any arm; components arrive built, settings as values."""
 
     def __init__(self, *, policy, tokenizer, task, reward, engine, sync: WeightSync, ppo, logger,
-                 device: torch.device, seed: int):
+                 device: torch.device, seed: int, show_progress: bool = False):
+        self.show_progress = show_progress  # a bar over the update's optimizer steps (interactive only)
         self.policy, self.tokenizer, self.task, self.reward = policy, tokenizer, task, reward
         self.engine, self.sync, self.ppo, self.logger = engine, sync, ppo, logger
         self.device, self.seed = device, seed
@@ -189,6 +191,8 @@ class PPOTrainer:
         count = 0
         self._grad_norms: list[float] = []
         first_ratio = None
+        bar = progress(total=ppo.ppo_epochs * shape.minibatches_per_epoch, desc="update", unit="step",
+                       enabled=self.show_progress, leave=False)
         for epoch in range(ppo.ppo_epochs):
             perm = torch.randperm(shape.rows_per_iteration, generator=generator)
             for mb_rows in perm.split(ppo.minibatch_rows):
@@ -205,6 +209,8 @@ class PPOTrainer:
                         sums[key] = sums.get(key, 0.0) + float(value)
                     count += 1
                 self._grad_norms.append(self._step(train_policy))
+                bar.update()
+        bar.close()
         self.policy.train(False)
         metrics = {key: value / max(count, 1) for key, value in sums.items()}
         metrics["ppo/grad_norm"] = sum(self._grad_norms) / max(len(self._grad_norms), 1)

@@ -30,7 +30,10 @@ def outcome_rewards(outcome: Tensor, response_mask: Tensor, correct_reward: floa
 class OutcomeReward:
     """The verifier's outcome reward, weighted by `w_outcome`, on the last response token."""
 
-    def __init__(self, correct_reward: float = 1.0, wrong_reward: float = 0.0, w_outcome: float = 1.0):
+    def __init__(self, correct_reward: float = 1.0, wrong_reward: float = 0.0, w_outcome: float = 1.0,
+                 eta: float = 1.0):
+        # `eta` (the PRM clip threshold) is accepted and ignored: every reward config carries it so
+        # one sweep can cross both arms with `reward.eta=...`
         self.correct_reward = correct_reward
         self.wrong_reward = wrong_reward
         self.w_outcome = w_outcome

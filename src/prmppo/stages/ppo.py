@@ -13,6 +13,11 @@ the ratio tripwire and the canary (`guards/tripwires.py`, `guards/canary.py`) un
 `summary.alarms`. The SFT checkpoint for the same config is reused, or trained first when there
 is none.
 
+Test accuracy during PPO: before the first iteration, every `eval.every` iterations and after the
+last, greedy and sampled accuracy on the first `eval.during_ppo_problems` test problems, logged as
+rows with `"stage": "ppo_eval"` (x axis `eval/ppo_iterations`, the iterations done); canary checks
+add `canary/` metrics to the iteration's row.
+
 Stop and resume (`ppo/checkpoint.py`): a resumable checkpoint is saved every
 `checkpoint_every(ppo.iterations, rollout.sync_every_iterations)` iterations (about 4 per run, on
 sync boundaries), after the last iteration and at a coordinated stop. SIGTERM or `max_wall_seconds`
@@ -41,11 +46,11 @@ import time
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
-from tqdm.auto import tqdm
 
 from prmppo import artifacts
 from prmppo.errors import StopRequested
-from prmppo.logger import MetricsLogger, write_json_atomic
+from prmppo.logger import write_json_atomic
+from prmppo.logger.console import print_summary, progress
 
 log = logging.getLogger("prmppo")
 
@@ -161,11 +166,36 @@ def _canary(cfg: DictConfig, task, tokenizer, policy, run_dir: Path):
                   run_dir / "canary.jsonl", greedy_accuracy)
 
 
-def _log_progress(iteration: int, iterations: int, metrics: dict) -> None:
-    if iteration % 10 == 0 or iteration == iterations - 1:
-        log.info("ppo it %d: accuracy %.3f reward %.3f kl %.4f engine-gap %.2e", iteration,
-                 metrics["rollout/accuracy"], metrics["reward/total_mean"], metrics["ppo/kl_ref"],
-                 metrics["rollout/engine_logprob_abs_diff"])
+def _test_eval(cfg: DictConfig, task, tokenizer, policy):
+    """`evaluate(iterations_done) -> eval/ metrics` of the policy on the first `eval.during_ppo_problems`
+    test problems (the same ones each time): greedy accuracy, and sampled accuracy over
+    `eval.during_ppo_k` samples at `eval.temperature`."""
+    from prmppo.evaluation import score
+
+    problems = task.problems("test")[: cfg.eval.during_ppo_problems]
+
+    def evaluate(iterations_done: int) -> dict:
+        result = score(policy.model, tokenizer, task, problems, k=cfg.eval.during_ppo_k,
+                       temperature=cfg.eval.temperature, max_new_tokens=cfg.eval.max_new_tokens,
+                       batch_rows=cfg.eval.batch_rows, seed=cfg.seed, show_progress=cfg.logger.console)
+        metrics = {"eval/ppo_iterations": iterations_done, "eval/test_greedy_accuracy": result["greedy_accuracy"],
+                   "eval/n_problems": len(problems)}
+        if cfg.eval.during_ppo_k > 0:
+            metrics["eval/test_sampled_accuracy"] = result["sampled_accuracy"]
+        return metrics
+
+    return evaluate
+
+
+def _test_eval_due(every: int, iteration: int, iterations: int) -> bool:
+    return every > 0 and ((iteration + 1) % every == 0 or iteration == iterations - 1)
+
+
+def _canary_metrics(iteration: int, canary, new_alarms: list[dict]) -> dict:
+    if not canary.due(iteration):
+        return {}
+    return {"canary/greedy_accuracy": canary.last, "canary/best": canary.best,
+            "canary/alarm": float(any(a["tripwire"] == "canary" for a in new_alarms))}
 
 
 def _alarms(iteration: int, metrics: dict, tripwire, canary) -> list[dict]:
@@ -222,9 +252,11 @@ def _trim_jsonl(path: Path, keep) -> list[dict]:
 
 
 def _trim_run_files(run_dir: Path, start_iteration: int) -> list[dict]:
-    """Drop PPO rows of iterations >= `start_iteration` (logged after the checkpoint, before a kill) from
-    metrics.jsonl and canary.jsonl, so each reads as one run; returns the kept PPO metrics rows."""
-    rows = _trim_jsonl(run_dir / "metrics.jsonl", lambda r: r["stage"] != "ppo" or r["step"] < start_iteration)
+    """Drop PPO and test-evaluation (`ppo_eval`) rows of iterations >= `start_iteration` (logged after the
+    checkpoint, before a kill) from metrics.jsonl and canary.jsonl, so each reads as one run; returns the
+    kept PPO metrics rows."""
+    rows = _trim_jsonl(run_dir / "metrics.jsonl",
+                       lambda r: r["stage"] not in ("ppo", "ppo_eval") or r["step"] < start_iteration)
     _trim_jsonl(run_dir / "canary.jsonl", lambda r: r["iteration"] < start_iteration)
     return [row for row in rows if row["stage"] == "ppo"]
 
@@ -304,7 +336,7 @@ def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict)
     from prmppo.ppo.checkpoint import checkpoint_every, latest_checkpoint, read_meta
     from prmppo.ppo.loop import PPOTrainer, save_value_head
     from prmppo.ppo.sync import WeightSync
-    from prmppo.stages.runners import train_device, write_stage_result
+    from prmppo.stages.runners import open_metrics, train_device, write_stage_result
 
     tokenizer, tripwire, gates = _launch_gates(cfg, base_dir, gates)
     device = train_device(cfg)
@@ -321,24 +353,32 @@ def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict)
     history = _trim_run_files(run_dir, first)
     start = time.time()
     canary = _canary(cfg, task, tokenizer, policy, run_dir)
-    with _engine(cfg, base_dir, run_dir) as engine, MetricsLogger(run_dir, "ppo", cfg.logger.console) as logger, \
+    test_eval = _test_eval(cfg, task, tokenizer, policy)
+    with _engine(cfg, base_dir, run_dir) as engine, open_metrics(cfg, run_dir, "ppo") as logger, \
             _StopFlag(cfg.max_wall_seconds, start) as stop:
         trainer = PPOTrainer(policy=policy, tokenizer=tokenizer, task=task, reward=reward, engine=engine, sync=sync,
-                             ppo=ppo, logger=logger, device=device, seed=cfg.seed)
+                             ppo=ppo, logger=logger, device=device, seed=cfg.seed, show_progress=cfg.logger.console)
         gates["horizon"] = {"policy_optimizer_steps": trainer.shape.policy_steps}  # checked by PPOTrainer
         write_json_atomic(run_dir / "banner.json", banner(cfg, tokenizer, trainer.shape, base_dir, policy, gates))
         alarms, pinned = _resume(checkpoint, policy, trainer, sync, canary)
         stopped = None
-        for iteration in tqdm(range(first, ppo.iterations), desc=f"ppo[{cfg.arm.name}]", unit="it",
-                              initial=first, total=ppo.iterations, mininterval=5.0):
+        if first == 0 and cfg.eval.every > 0:  # the SFT policy's test accuracy: the curves' starting point
+            logger.log(0, test_eval(0), stage="ppo_eval")
+        for iteration in progress(range(first, ppo.iterations), desc=f"ppo[{cfg.arm.name}]", unit="it",
+                                  initial=first, total=ppo.iterations, enabled=cfg.logger.console):
             metrics = trainer.iteration(iteration)
             metrics["perf/wall_s"] = time.time() - start
+            new_alarms = _alarms(iteration, metrics, tripwire, canary)
+            metrics.update(_canary_metrics(iteration, canary, new_alarms))
             logger.log(iteration, metrics)
             history.append(metrics)
-            new_alarms = _alarms(iteration, metrics, tripwire, canary)
+            evaluated = test_eval(iteration + 1) if _test_eval_due(cfg.eval.every, iteration, ppo.iterations) else {}
+            if evaluated:
+                logger.log(iteration, evaluated, stage="ppo_eval")
             alarms += new_alarms
             _pin_on_canary_alarm(run_dir, new_alarms, canary, pinned)  # before the save, so its meta holds the pin
-            _log_progress(iteration, ppo.iterations, metrics)
+            print_summary(f"ppo[{cfg.arm.name}]", iteration, ppo.iterations, {**metrics, **evaluated},
+                          cfg.logger.console)
             last = iteration == ppo.iterations - 1
             if stop.check() or last or (iteration + 1) % every == 0:
                 checkpoint = _save(run_dir, iteration + 1, policy, trainer, canary, alarms, ppo.keep_checkpoints,

@@ -37,10 +37,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
-from tqdm.auto import tqdm
 
 from prmppo import artifacts
-from prmppo.logger import MetricsLogger
+from prmppo.logger.console import progress as progress_bar
 from prmppo.models.prm import LearnedStepScorer, make_head, new_prm, prm_step_logits, save_prm
 from prmppo.ppo.batch import collate
 from prmppo.ppo.maths import make_scheduler
@@ -115,7 +114,7 @@ def train_prm(peft_model, head, examples: list[StepExample], *, steps: int, batc
     peft_model.train()
     head.train()
     start, loss_ema = time.time(), None
-    progress = tqdm(range(steps), desc="prm", unit="step", mininterval=2.0, dynamic_ncols=True)
+    progress = progress_bar(range(steps), desc="prm", unit="step", enabled=logger.console)
     for step in progress:
         picked = [examples[i] for i in torch.randint(len(examples), (batch_rows,), generator=generator).tolist()]
         ids, att, pos, plen, targets, label_mask = _train_batch(picked, pad_token_id, device)
@@ -255,7 +254,7 @@ def _label_stats(examples: list[StepExample]) -> dict[str, float]:
 def ensure_prm(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path, reuse: bool) -> tuple[Path, dict]:
     """The PRM artifact for this config: reused when `reuse` and it exists, else trained on `sft_checkpoint`."""
     from prmppo.models.loading import load_model, load_tokenizer
-    from prmppo.stages.runners import train_device
+    from prmppo.stages.runners import open_metrics, train_device
 
     final = artifacts.artifact_dir(cfg, "prm")
     if reuse and artifacts.artifact_ready(final):
@@ -267,10 +266,10 @@ def ensure_prm(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path, reuse
     boundaries = StepBoundaries.from_tokenizer(tokenizer, task.step_delimiter)
     sampler = PolicySampler(model, temperature=1.0, max_new_tokens=p.max_new_tokens,
                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                            batch_rows=cfg.eval.batch_rows, seed=cfg.seed)
+                            batch_rows=cfg.eval.batch_rows, seed=cfg.seed, show_progress=cfg.logger.console)
     rng = random.Random(f"{cfg.seed}-prm")
     summary: dict = {"prm_dir": str(final), "sft_checkpoint": str(sft_checkpoint)}
-    with MetricsLogger(run_dir, "prm", console=cfg.logger.console) as logger:
+    with open_metrics(cfg, run_dir, "prm") as logger:
         start = time.time()
         examples = make_step_labels(
             p.label_source, task=task, tokenizer=tokenizer, problems=task.problems("train")[: p.train_problems],

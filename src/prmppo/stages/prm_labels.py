@@ -28,6 +28,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from prmppo.rewards.steps import StepBoundaries, align_step_labels
+from prmppo.logger.console import progress
 from prmppo.rollout.hf_engine import sample_responses
 
 Sampler = Callable[[list[list[int]], int], list[list[int]]]
@@ -46,8 +47,9 @@ class PolicySampler:
     """Samples from an in-process causal LM with one seeded generator (reproducible call sequence)."""
 
     def __init__(self, model, *, temperature: float, max_new_tokens: int, eos_token_id: int, pad_token_id: int,
-                 batch_rows: int, seed: int):
+                 batch_rows: int, seed: int, show_progress: bool = False):
         self.model, self.temperature, self.max_new_tokens = model, temperature, max_new_tokens
+        self.show_progress = show_progress
         self.eos_token_id, self.pad_token_id, self.batch_rows = eos_token_id, pad_token_id, batch_rows
         self.generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
 
@@ -55,7 +57,8 @@ class PolicySampler:
         was_training = self.model.training
         self.model.eval()
         per_batch, out = max(1, self.batch_rows // n), []
-        for start in range(0, len(prompt_ids), per_batch):
+        batches = range(0, len(prompt_ids), per_batch)
+        for start in progress(batches, desc=f"sampling x{n}", unit="batch", enabled=self.show_progress, leave=False):
             tokens, _, _ = sample_responses(
                 self.model, prompt_ids[start:start + per_batch], n, self.max_new_tokens, self.temperature, 1.0,
                 self.generator, self.eos_token_id, self.pad_token_id)

@@ -30,11 +30,29 @@ def train_device(cfg: DictConfig) -> torch.device:
     return device
 
 
+def open_metrics(cfg: DictConfig, run_dir: Path, stage: str) -> MetricsLogger:
+    """The stage's metrics logger: metrics.jsonl always, plus a W&B run when `logger.wandb`."""
+    sinks = []
+    if cfg.logger.wandb:
+        from omegaconf import OmegaConf
+
+        from prmppo.config.validate import wandb_key_configured
+        from prmppo.logger.wandb_sink import WandbSink
+
+        mode = cfg.logger.mode if cfg.logger.mode != "auto" else ("online" if wandb_key_configured() else "offline")
+        sinks.append(WandbSink(
+            run_dir=run_dir, project=cfg.logger.wandb_project, entity=cfg.logger.wandb_entity, mode=mode,
+            config=OmegaConf.to_container(cfg, resolve=True), group=cfg.experiment_name, job_type=stage,
+            tags=[cfg.arm.name, stage, f"seed={cfg.seed}"], name=f"{Path(run_dir).name}-{stage}"))
+    return MetricsLogger(run_dir, stage, console=cfg.logger.console, sinks=sinks)
+
+
 def _score(model, tokenizer, task, problems, cfg: DictConfig, k: int) -> dict:
     from prmppo.evaluation import score
 
     return score(model, tokenizer, task, problems, k=k, temperature=cfg.eval.temperature,
-                 max_new_tokens=cfg.sft.max_new_tokens, batch_rows=cfg.eval.batch_rows, seed=cfg.seed)
+                 max_new_tokens=cfg.sft.max_new_tokens, batch_rows=cfg.eval.batch_rows, seed=cfg.seed,
+                 show_progress=cfg.logger.console)
 
 
 def ensure_sft(cfg: DictConfig, task, run_dir: Path, reuse: bool) -> tuple[Path, dict]:
@@ -54,7 +72,7 @@ def ensure_sft(cfg: DictConfig, task, run_dir: Path, reuse: bool) -> tuple[Path,
     model = load_model(init_dir, cfg.model.dtype, device)
     summary: dict = {"checkpoint": str(final), "init": str(init_dir),
                      "parameters": sum(p.numel() for p in model.parameters())}
-    with MetricsLogger(run_dir, "sft", console=cfg.logger.console) as logger:
+    with open_metrics(cfg, run_dir, "sft") as logger:
         if cfg.sft.steps > 0:
             batches = SFTBatchSource.build(task, task.problems("sft"), tokenizer,
                                            model.config.max_position_embeddings)
@@ -91,10 +109,18 @@ def run_sft(cfg: DictConfig, run_dir: Path) -> dict:
     return summary
 
 
-def write_stage_result(run_dir: Path, cfg: DictConfig, stage: str, summary: dict) -> None:
-    write_json_atomic(run_dir / "stage_result.json", {
-        "stage": stage, "arm": cfg.arm.name, "experiment": cfg.experiment_name, "seed": cfg.seed,
-        "summary": summary})
+def write_stage_result(run_dir: Path, cfg: DictConfig, stage: str, summary: dict, status: str | None = None,
+                       error: dict | None = None) -> None:
+    """`stage_result.json`: status (`ok`, `stopped`, `failed`), who ran (arm, experiment, seed), the keys
+    this config never reads (`inert_keys`), the summary and, for a failed run, the error."""
+    from prmppo.config.validate import inert_keys
+
+    status = status or ("stopped" if "stopped" in summary else "ok")
+    result = {"status": status, "stage": stage, "arm": cfg.arm.name, "experiment": cfg.experiment_name,
+              "seed": cfg.seed, "inert_keys": inert_keys(cfg), "summary": summary}
+    if error is not None:
+        result["error"] = error
+    write_json_atomic(run_dir / "stage_result.json", result)
 
 
 def _eval_checkpoint(cfg: DictConfig, task, checkpoint: Path) -> dict:
@@ -107,7 +133,8 @@ def _eval_checkpoint(cfg: DictConfig, task, checkpoint: Path) -> dict:
     problems = task.problems("test")[: cfg.eval.n_problems]
     start = time.time()
     result = score(model, tokenizer, task, problems, k=cfg.eval.k, temperature=cfg.eval.temperature,
-                   max_new_tokens=cfg.eval.max_new_tokens, batch_rows=cfg.eval.batch_rows, seed=cfg.seed)
+                   max_new_tokens=cfg.eval.max_new_tokens, batch_rows=cfg.eval.batch_rows, seed=cfg.seed,
+                   show_progress=cfg.logger.console)
     return {"checkpoint": str(checkpoint), **result, "eval_seconds": time.time() - start}
 
 
@@ -130,7 +157,7 @@ def run_eval(cfg: DictConfig, run_dir: Path) -> dict:
     for path in targets.values():
         check_model_dir(path)
     summary = {}
-    with MetricsLogger(run_dir, "eval", console=cfg.logger.console) as logger:
+    with open_metrics(cfg, run_dir, "eval") as logger:
         for name, path in targets.items():
             summary[name] = _eval_checkpoint(cfg, task, path)
             logger.log(0, {f"eval/{name}/{k}": v for k, v in summary[name].items() if isinstance(v, float)},
@@ -174,7 +201,7 @@ def run_pipeline(cfg: DictConfig, run_dir: Path) -> dict:
                   "ppo": _eval_checkpoint(cfg, task, Path(ppo_summary["checkpoint"]))}
     delta = {key: evaluation["ppo"][key] - evaluation["sft"][key]
              for key in evaluation["sft"] if key.endswith("accuracy") or key.startswith("pass@")}
-    with MetricsLogger(run_dir, "eval", console=cfg.logger.console) as logger:
+    with open_metrics(cfg, run_dir, "eval") as logger:
         for name, result in evaluation.items():
             logger.log(0, {f"eval/{name}/{k}": v for k, v in result.items() if isinstance(v, float)}, echo=True)
         logger.log(0, {f"eval/delta/{k}": v for k, v in delta.items()}, echo=True)

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from prmppo.errors import PrmppoError
+from prmppo.logger.console import progress as progress_bar
 from prmppo.ppo.maths import make_scheduler
 
 IGNORE = -100  # label of positions that carry no loss (prompt and padding)
@@ -80,7 +80,7 @@ def train_sft(model, source: SFTBatchSource, *, steps: int, batch_rows: int, lr:
     scheduler = make_scheduler(optimizer, total_steps=steps, warmup_steps=warmup_steps, min_ratio=min_lr_ratio)
     generator = torch.Generator().manual_seed(seed)
     start, tokens, loss_ema = time.time(), 0, None
-    progress = tqdm(range(steps), desc="sft", unit="step", mininterval=2.0, dynamic_ncols=True)
+    progress = progress_bar(range(steps), desc="sft", unit="step", enabled=logger.console)
     for step in progress:
         input_ids, labels = source.sample(batch_rows, generator)
         input_ids, labels = input_ids.to(device), labels.to(device)

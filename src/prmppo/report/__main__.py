@@ -1,0 +1,47 @@
+"""`python -m prmppo.report <run or sweep dirs> [--out DIR] [--threshold 0.5]`: plots and a table.
+
+    python -m prmppo -m experiment=prm_vs_orm_arith arm=prm,orm seed=0,1,2
+    python -m prmppo.report multirun/prm_vs_orm_arith/<time>          # -> <time>/report/report.md
+
+Finds every run under the given directories, groups them by arm and swept keys (seeds are the
+replicates), and writes into `--out` (default `<first dir>/report`):
+  - `accuracy.png`: test accuracy vs PPO iterations per group, 95% confidence band across seeds;
+  - `rewards.png`: reward components and KL per iteration; `hacking.png`: hacking monitors;
+  - `report.md`: final accuracy mean +- 95% CI per group, PRM - ORM with its CI (paired by seed when
+    both arms ran the same seeds), iterations to reach `--threshold` greedy accuracy, and the
+    runs that failed or did not finish.
+Bad inputs (no runs, an unreadable metrics line) exit 2 with one line naming the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from prmppo.errors import EXIT_REFUSED
+from prmppo.report.runs import ReportError
+from prmppo.report.write import write_report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m prmppo.report", description=__doc__.splitlines()[0])
+    parser.add_argument("dirs", nargs="+", help="run or sweep directories (searched recursively)")
+    parser.add_argument("--out", default=None, help="output directory (default: <first dir>/report)")
+    parser.add_argument("--threshold", type=float, default=0.5,
+                        help="greedy test accuracy whose first crossing is reported (default 0.5)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="prmppo.report: %(message)s")
+    out = Path(args.out) if args.out else Path(args.dirs[0]) / "report"
+    try:
+        report = write_report(args.dirs, out, args.threshold)
+    except ReportError as err:
+        print(f"prmppo.report: error: {err}", file=sys.stderr)
+        return EXIT_REFUSED
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

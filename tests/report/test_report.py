@@ -1,0 +1,168 @@
+"""prmppo.report: intervals against hand-computed numbers, grouping rules on synthetic runs, bad inputs,
+and the CLI on a real tiny multirun (2 arms x 2 seeds)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+from scipy import stats
+
+from conftest import compose_config
+from prmppo.report import (ReportError, difference_ci, difference_rows, find_runs, group_rows, group_runs,
+                           mean_ci, write_report)
+from prmppo.report.tables import iterations_to
+
+
+def test_mean_ci_is_the_student_t_interval():
+    # [1, 2, 3]: mean 2, sd 1, sem 1/sqrt(3); t(0.975, df=2) = 4.302653 -> half width 4.302653 / sqrt(3) = 2.484138
+    estimate = mean_ci([1.0, 2.0, 3.0])
+    assert estimate.mean == pytest.approx(2.0) and estimate.half_width == pytest.approx(2.484138, abs=1e-6)
+    assert estimate.n == 3
+    assert math.isnan(mean_ci([0.4]).half_width) and mean_ci([0.4]).mean == 0.4
+
+
+def test_difference_is_paired_by_seed_or_welch():
+    # paired: per-seed differences [0.1, 0.2, 0.0]: mean 0.1, sd 0.1 -> half width 4.302653 * 0.1 / sqrt(3) = 0.248414
+    paired, how = difference_ci({0: 0.5, 1: 0.7, 2: 0.6}, {0: 0.4, 1: 0.5, 2: 0.6})
+    assert how == "paired" and paired.mean == pytest.approx(0.1) and paired.half_width == pytest.approx(0.248414, abs=1e-6)
+    # different seeds: Welch's interval, checked against scipy's own Welch test
+    welch, how = difference_ci({0: 1.0, 1: 3.0, 2: 2.5}, {3: 2.0, 4: 6.0, 5: 5.0})
+    low, high = stats.ttest_ind([1.0, 3.0, 2.5], [2.0, 6.0, 5.0], equal_var=False).confidence_interval(0.95)
+    assert how == "welch" and welch.mean == pytest.approx((low + high) / 2)
+    assert welch.half_width == pytest.approx((high - low) / 2)
+
+
+def _make_run(root: Path, name: str, overrides: list[str], finals: list[float], status: str = "ok") -> Path:
+    """A run dir as python -m prmppo writes it, with test accuracy `finals[i]` after i iterations."""
+    run_dir = root / name
+    (run_dir / ".hydra").mkdir(parents=True)
+    cfg = compose_config(overrides)
+    OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
+    OmegaConf.save(OmegaConf.create(overrides), run_dir / ".hydra" / "overrides.yaml")
+    reward = next((o.split("=")[1] for o in overrides if o.startswith("reward=")), cfg.arm.name)
+    OmegaConf.save({"hydra": {"runtime": {"choices": {"arm": cfg.arm.name, "reward": reward}}}},
+                   run_dir / ".hydra" / "hydra.yaml")  # the group options Hydra records
+    result = {"status": status, "arm": cfg.arm.name, "seed": cfg.seed}
+    if status == "failed":
+        result["error"] = {"message": "invalid config: ppo.lr=0 must be > 0", "type": "ConfigError"}
+    (run_dir / "stage_result.json").write_text(json.dumps(result))
+    rows = [{"stage": "ppo_eval", "step": max(i - 1, 0), "eval/ppo_iterations": i, "eval/test_greedy_accuracy": acc,
+             "eval/test_sampled_accuracy": acc / 2} for i, acc in enumerate(finals)]
+    rows += [{"stage": "ppo", "step": i, "reward/total_mean": acc} for i, acc in enumerate(finals[1:])]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run_dir
+
+
+@pytest.fixture
+def eta_sweep(tmp_path) -> Path:
+    """arm=prm,orm x reward.eta=0.5,1.0 x seed=0,1, the PRM arm with the clip transform (eta live)."""
+    for arm in ("prm", "orm"):
+        for eta in ("0.5", "1.0"):
+            for seed in (0, 1):
+                extra = ["reward.transform=clip"] if arm == "prm" else []
+                final = {"prm": 0.6 + 0.1 * (eta == "1.0"), "orm": 0.4 + 0.1 * (eta == "1.0")}[arm] + 0.05 * seed
+                _make_run(tmp_path, f"{arm}-{eta}-{seed}", [f"arm={arm}", f"reward.eta={eta}", f"seed={seed}", *extra],
+                          [0.3, 0.45, final])
+    return tmp_path
+
+
+def test_a_key_an_arm_never_reads_does_not_split_its_group(eta_sweep):
+    grouping = group_runs(find_runs([eta_sweep]))
+    assert grouping.keys == ["reward.eta", "reward.transform"]
+    # the ORM arm ignores eta (and has no transform): one group of 4 runs over 2 seeds;
+    # the PRM arm reads eta under clip: one group per eta value
+    assert sorted(grouping.groups) == [("orm", "-", "-"), ("prm", "0.5", "clip"), ("prm", "1.0", "clip")]
+    orm = next(row for row in group_rows(grouping, 0.5) if row.group[0] == "orm")
+    assert orm.runs == 4 and orm.seeds == [0, 1]
+    # runs that share a seed are one replicate: seed 0 = mean(0.40, 0.50), seed 1 = mean(0.45, 0.55)
+    assert orm.greedy.mean == pytest.approx(0.475) and orm.greedy.n == 2
+    diffs = {d.prm: d for d in difference_rows(grouping)}
+    assert set(diffs) == {("prm", "0.5", "clip"), ("prm", "1.0", "clip")}
+    # eta=1.0: PRM seeds (0.70, 0.75) vs ORM seeds (0.45, 0.50): paired differences 0.25, 0.25
+    assert diffs[("prm", "1.0", "clip")].difference.mean == pytest.approx(0.25)
+    assert diffs[("prm", "1.0", "clip")].pairing == "paired"
+
+
+def test_iterations_to_threshold_is_the_first_evaluation_at_or_above_it(tmp_path):
+    _make_run(tmp_path, "a", ["seed=0"], [0.3, 0.55, 0.5, 0.7])
+    _make_run(tmp_path, "b", ["seed=1"], [0.3, 0.4, 0.45, 0.49])
+    runs = find_runs([tmp_path])
+    assert iterations_to(runs, "eval/test_greedy_accuracy", 0.5) == {0: 1, 1: None}
+
+
+def test_failed_runs_are_listed_not_fatal(tmp_path):
+    _make_run(tmp_path, "ok", ["seed=0"], [0.3, 0.5])
+    _make_run(tmp_path, "bad", ["seed=1"], [], status="failed")
+    report = write_report([tmp_path], tmp_path / "out")
+    text = report.read_text()
+    assert "## Runs that did not finish" in text and "ppo.lr=0 must be > 0" in text and "| failed |" in text
+    assert (tmp_path / "out" / "accuracy.png").stat().st_size > 10_000
+
+
+def test_bad_inputs_name_what_is_wrong(tmp_path):
+    with pytest.raises(ReportError, match="does not exist"):
+        find_runs([tmp_path / "absent"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ReportError, match="no runs under .*empty.*hydra/config.yaml"):
+        find_runs([tmp_path / "empty"])
+    run_dir = _make_run(tmp_path / "runs", "r", ["seed=0"], [0.3, 0.5, 0.6])
+    metrics = run_dir / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([lines[0], "{not json", *lines[1:]]) + "\n")
+    with pytest.raises(ReportError, match=r"metrics.jsonl line 2 is not valid JSON"):
+        find_runs([tmp_path / "runs"])
+    metrics.write_text("\n".join(lines) + "\n" + '{"stage": "ppo_eval", "st')  # a kill mid-write: ignored
+    (run,) = find_runs([tmp_path / "runs"])
+    assert run.series("ppo_eval", "eval/test_greedy_accuracy", "eval/ppo_iterations") == {0: 0.3, 1: 0.5, 2: 0.6}
+    (run_dir / "stage_result.json").write_text("{")
+    with pytest.raises(ReportError, match="stage_result.json is not valid JSON"):
+        find_runs([tmp_path / "runs"])
+
+
+def _final_from_jsonl(run_dir: Path) -> float:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if r["stage"] == "ppo_eval"]
+    return max(evals, key=lambda r: r["eval/ppo_iterations"])["eval/test_greedy_accuracy"]
+
+
+def test_report_cli_on_a_tiny_multirun_writes_plots_and_table(tiny_sweep, tmp_path):
+    out = tmp_path / "report"
+    proc = subprocess.run([sys.executable, "-m", "prmppo.report", str(tiny_sweep), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("accuracy.png", "rewards.png", "hacking.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (out / name).stat().st_size > 10_000
+    text = (out / "report.md").read_text()
+    assert "| orm | 0,1 | 2 |" in text and "| prm | 0,1 | 2 |" in text
+    assert "paired (n=2)" in text and "![accuracy.png](accuracy.png)" in text
+    # the table's numbers are the runs' own: mean of the last test evaluation in each metrics.jsonl
+    grouping = group_runs(find_runs([tiny_sweep]))
+    for row in group_rows(grouping, 0.5):
+        runs = grouping.groups[row.group]
+        assert row.greedy.mean == pytest.approx(sum(_final_from_jsonl(r.path) for r in runs) / len(runs))
+        assert all(len(r.series("ppo_eval", "eval/test_greedy_accuracy", "eval/ppo_iterations")) == 4 for r in runs)
+
+
+def test_report_cli_refuses_a_dir_without_runs_in_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "prmppo.report", str(tmp_path)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("prmppo.report: error: no runs under") and len(proc.stderr.splitlines()) == 1
+
+
+def test_a_reward_choice_belongs_to_the_arm_and_still_pairs_with_orm(tmp_path):
+    # two separate sweeps read together: arm=prm reward=prm_oracle, and arm=orm
+    for seed in (0, 1):
+        _make_run(tmp_path / "oracle", f"p{seed}", ["arm=prm", "reward=prm_oracle", f"seed={seed}"], [0.3, 0.6 + seed / 10])
+        _make_run(tmp_path / "orm", f"o{seed}", ["arm=orm", f"seed={seed}"], [0.3, 0.5 + seed / 10])
+    grouping = group_runs(find_runs([tmp_path / "oracle", tmp_path / "orm"]))
+    assert grouping.keys == ["reward"]
+    assert sorted(grouping.groups) == [("orm", "orm"), ("prm", "prm_oracle")]
+    (diff,) = difference_rows(grouping)
+    assert diff.prm == ("prm", "prm_oracle") and diff.difference.mean == pytest.approx(0.1)

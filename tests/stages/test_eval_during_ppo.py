@@ -1,0 +1,45 @@
+"""Test accuracy during PPO (`ppo_eval` rows) and canary metrics in metrics.jsonl, on a real smoke run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prmppo.app import run
+from prmppo.evaluation import score
+from prmppo.models.loading import load_model, load_tokenizer
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_test_accuracy_is_logged_before_every_k_iterations_and_after_the_last(smoke_cfg):
+    cfg = smoke_cfg("stage=ppo", "ppo.iterations=3", "eval.every=2", "canary.every=1", "canary.n_problems=4")
+    summary = run(cfg)
+    rows = _rows(Path(cfg.run_dir))
+    evals = [r for r in rows if r["stage"] == "ppo_eval"]
+    # before training, after iteration 2 (every 2) and after the last (3)
+    assert [r["eval/ppo_iterations"] for r in evals] == [0, 2, 3]
+    assert all(r["eval/n_problems"] == cfg.eval.during_ppo_problems for r in evals)
+    # the first evaluation is the SFT policy's: recompute it independently from the SFT checkpoint
+    sft = Path(json.loads((Path(cfg.run_dir) / "banner.json").read_text())["base_checkpoint"])
+    from prmppo.app import build
+
+    task = build(cfg.task, "task")
+    expected = score(load_model(sft), load_tokenizer(sft), task, task.problems("test")[: cfg.eval.during_ppo_problems],
+                     k=cfg.eval.during_ppo_k, temperature=cfg.eval.temperature,
+                     max_new_tokens=cfg.eval.max_new_tokens, batch_rows=cfg.eval.batch_rows, seed=cfg.seed)
+    assert evals[0]["eval/test_greedy_accuracy"] == expected["greedy_accuracy"]
+    assert evals[0]["eval/test_sampled_accuracy"] == expected["sampled_accuracy"]
+    # iteration rows are unchanged in number and carry the canary's checks
+    ppo = [r for r in rows if r["stage"] == "ppo"]
+    assert [r["step"] for r in ppo] == [0, 1, 2] and summary["policy_steps"] == 6
+    canary = [json.loads(line) for line in (Path(cfg.run_dir) / "canary.jsonl").read_text().splitlines()]
+    assert [r["canary/greedy_accuracy"] for r in ppo] == [c["greedy_accuracy"] for c in canary]
+
+
+def test_eval_every_zero_logs_no_test_rows(smoke_cfg):
+    cfg = smoke_cfg("stage=ppo", "eval.every=0")
+    run(cfg)
+    assert not [r for r in _rows(Path(cfg.run_dir)) if r["stage"] == "ppo_eval"]
