@@ -9,7 +9,6 @@ import logging
 import math
 from pathlib import Path
 
-import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
