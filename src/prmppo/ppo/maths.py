@@ -154,7 +154,8 @@ def group_baseline_advantages(rewards: Tensor, mask: Tensor, group_size: int, ga
       grpo  A_t = (G_t - mean_j R_j) / (std_j R_j + 1e-6)      (Shao et al. 2024, GRPO)
 
     A group whose samples all score the same gives zero advantage (with an outcome-only reward),
-    so a prompt that is always solved, or never, adds no gradient noise.
+    so a prompt that is always solved, or never, adds no gradient noise (up to the small mean
+    shift of `masked_whiten`, when the loop whitens afterwards).
     """
     if mode not in ("rloo", "grpo"):
         raise ValueError(f"mode={mode!r}: valid modes are 'rloo' and 'grpo'")
