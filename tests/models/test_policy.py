@@ -85,3 +85,37 @@ def test_full_policy_keeps_a_frozen_reference():
             p.add_(0.01)
     logits, _ = policy.forward(ids, att, pos)
     assert (logits - policy.reference_logits(ids, att, pos)).abs().max() > 1e-4
+
+
+def test_modules_to_save_trains_the_final_norm_at_its_own_lr_and_every_sync_carries_it(tmp_path):
+    from peft import PeftModel
+
+    policy = LoraPolicy(_model(), detach_value_hidden=True, r=4, alpha=8, target_modules=TARGETS,
+                        modules_to_save=["model.norm"], modules_to_save_lr=0.5)
+    groups = policy.policy_param_groups(1e-4)
+    assert [g["lr"] for g in groups] == [1e-4, 0.5]
+    assert len(groups[1]["params"]) == 1 and groups[1]["params"][0].shape == (32,)  # the norm's weight
+    assert sum(len(g["params"]) for g in groups) == len(policy.policy_parameters())
+    ids, att, pos = _inputs()
+    reference = policy.reference_logits(ids, att, pos)
+    with torch.no_grad():
+        groups[1]["params"][0].mul_(2.0)  # doubles every logit: the lm_head has no bias
+    live, _ = policy.forward(ids, att, pos)
+    assert torch.allclose(live, 2 * reference, atol=1e-4)
+    # the reference (adapters off) still uses the base's own norm
+    assert torch.allclose(policy.reference_logits(ids, att, pos), _model()(ids).logits, atol=1e-5)
+    # checkpoint sync: the merged directory holds the trained norm under the base's key
+    policy.save_merged(tmp_path / "merged", build_char_tokenizer("0123456789+-=\nAnswer: "))
+    merged = load_model(tmp_path / "merged")(input_ids=ids, attention_mask=att, position_ids=pos).logits
+    assert torch.allclose(live, merged, atol=1e-4)
+    # adapter sync: the saved adapter carries the norm beside the LoRA factors
+    policy.save_adapter(tmp_path / "adapter")
+    served = PeftModel.from_pretrained(_model(), str(tmp_path / "adapter" / "policy"), adapter_name="sync1")
+    assert torch.allclose(live, served(input_ids=ids, attention_mask=att, position_ids=pos).logits, atol=1e-4)
+
+
+def test_modules_to_save_refuses_unknown_and_tied_modules():
+    with pytest.raises(ValueError, match="no module of the base model is named 'final_norm'"):
+        LoraPolicy(_model(), True, r=4, target_modules=TARGETS, modules_to_save=["final_norm"])
+    with pytest.raises(ValueError, match="tied input/output embedding"):
+        LoraPolicy(_model(), True, r=4, target_modules=TARGETS, modules_to_save=["lm_head"])

@@ -153,6 +153,11 @@ class LoraAdapterConfig(LoraConfig):
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
     init_seed: int = 0
+    # base modules the `policy` adapter trains in full (peft modules_to_save), by name suffix,
+    # e.g. ["model.norm"]: the final norm scales every logit, i.e. the policy's own temperature
+    modules_to_save: list[str] = field(default_factory=list)
+    # peak learning rate of those modules (same warmup-cosine shape); null = ppo.lr
+    modules_to_save_lr: Optional[float] = None
 
 
 @dataclass

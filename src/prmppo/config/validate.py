@@ -127,6 +127,14 @@ def _check_rest(problems: list[str], cfg: DictConfig) -> None:
         problems.append(f"rollout=vllm with ppo.top_p={cfg.ppo.top_p}: vLLM's sampling logprobs are those of the "
                         "top-p truncated distribution, not the full tempered one the trainer scores, so the engine "
                         "and trainer logprobs would never match; use ppo.top_p=1.0 or rollout=hf")
+    mts_lr = cfg.lora.get("modules_to_save_lr")
+    if mts_lr is not None and not mts_lr > 0:
+        problems.append(f"lora.modules_to_save_lr={mts_lr} must be > 0 (or null for ppo.lr)")
+    if (cfg.rollout.engine == "vllm" and cfg.rollout.sync == "adapter"
+            and list(cfg.lora.get("modules_to_save") or [])):
+        problems.append(f"lora.modules_to_save={list(cfg.lora.modules_to_save)} with rollout=vllm "
+                        f"rollout.sync=adapter: vLLM's LoRA serves only the low-rank factors; use "
+                        f"rollout.sync=checkpoint or lora.modules_to_save=[]")
     if cfg.rollout.sync == "adapter" and cfg.lora._target_.endswith("FullPolicy"):
         problems.append("rollout.sync=adapter needs LoRA adapters, but lora=none trains the full model: "
                         "use rollout.sync=checkpoint or lora=adapter")

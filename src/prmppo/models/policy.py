@@ -61,19 +61,42 @@ class LoraPolicy(_PolicyBase):
     """`policy` LoRA adapter on the resident base; reference = base with adapters off."""
 
     def __init__(self, base_model: nn.Module, detach_value_hidden: bool, r: int = 8, alpha: int = 16,
-                 dropout: float = 0.0, target_modules: list[str] | None = None, init_seed: int = 0):
+                 dropout: float = 0.0, target_modules: list[str] | None = None, init_seed: int = 0,
+                 modules_to_save: list[str] | None = None, modules_to_save_lr: float | None = None):
         from peft import LoraConfig, get_peft_model
 
+        modules_to_save = list(modules_to_save or [])
+        names = [name for name, _ in base_model.named_modules()]
+        for wanted in modules_to_save:  # peft would skip a name that matches nothing, silently
+            if not any(name == wanted or name.endswith(f".{wanted}") for name in names):
+                raise ValueError(f"lora.modules_to_save: no module of the base model is named {wanted!r} "
+                                 f"(e.g. 'model.norm', the final norm)")
+            if getattr(base_model.config, "tie_word_embeddings", False) and wanted.split(".")[-1] in (
+                    "lm_head", "embed_tokens"):
+                raise ValueError(f"lora.modules_to_save: {wanted!r} shares its weight with the tied input/output "
+                                 f"embedding; training one copy would break the tie in the synced weights")
         config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules or []),
-                            bias="none", task_type="CAUSAL_LM")
+                            modules_to_save=modules_to_save or None, bias="none", task_type="CAUSAL_LM")
         with torch.random.fork_rng(devices=[]):  # peft draws LoRA A from the global generator
             torch.manual_seed(init_seed)
             self.model = get_peft_model(base_model, config, adapter_name=POLICY_ADAPTER)
+        self.modules_to_save_lr = modules_to_save_lr
         device = next(base_model.parameters()).device
         self.value_head = ValueHead(base_model.config.hidden_size, detach_value_hidden).to(device)
 
     def policy_parameters(self) -> list[nn.Parameter]:
         return [p for name, p in self.model.named_parameters() if p.requires_grad and f".{POLICY_ADAPTER}." in name]
+
+    def policy_param_groups(self, lr: float) -> list[dict]:
+        """Optimizer groups: the LoRA factors at `lr`, fully trained modules at their own lr."""
+        lora, full = [], []
+        for name, p in self.model.named_parameters():
+            if p.requires_grad and f".{POLICY_ADAPTER}." in name:
+                (full if f".modules_to_save.{POLICY_ADAPTER}." in name else lora).append(p)
+        groups = [{"params": lora, "lr": lr}]
+        if full:
+            groups.append({"params": full, "lr": lr if self.modules_to_save_lr is None else self.modules_to_save_lr})
+        return groups
 
     @property
     def prm_host(self) -> nn.Module:
@@ -101,12 +124,14 @@ class LoraPolicy(_PolicyBase):
             if isinstance(module, LoraLayer) and POLICY_ADAPTER in module.lora_A:
                 weight = module.get_base_layer().weight
                 merged[f"{name}.weight"] = weight + module.get_delta_weight(POLICY_ADAPTER).to(weight.dtype)
+        trained = f".modules_to_save.{POLICY_ADAPTER}."
+        full = {key.replace(trained, "."): value for key, value in base.state_dict().items() if trained in key}
         state = {}
         for key, value in base.state_dict().items():
-            if "lora_" in key:
+            if "lora_" in key or ".modules_to_save." in key:
                 continue
-            clean = key.replace(".base_layer.", ".")
-            state[clean] = merged.get(clean, value)
+            clean = key.replace(".base_layer.", ".").replace(".original_module.", ".")
+            state[clean] = full.get(clean, merged.get(clean, value))
         return state
 
     def save_merged(self, out_dir: Path, tokenizer) -> Path:
@@ -131,6 +156,9 @@ class FullPolicy(_PolicyBase):
 
     def policy_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    def policy_param_groups(self, lr: float) -> list[dict]:
+        return [{"params": self.policy_parameters(), "lr": lr}]
 
     @property
     def prm_host(self) -> nn.Module:

@@ -76,7 +76,7 @@ class PPOTrainer:
         self.engine, self.sync, self.ppo, self.logger = engine, sync, ppo, logger
         self.device, self.seed = device, seed
         self.shape = Shape.derive(ppo)
-        self.policy_optimizer = torch.optim.AdamW(policy.policy_parameters(), lr=ppo.lr, betas=(0.9, 0.95),
+        self.policy_optimizer = torch.optim.AdamW(policy.policy_param_groups(ppo.lr), lr=ppo.lr, betas=(0.9, 0.95),
                                                   weight_decay=0.0)
         self.value_optimizer = torch.optim.AdamW(policy.value_parameters(), lr=ppo.value_lr, weight_decay=0.0)
         self.scheduler = maths.make_scheduler(self.policy_optimizer, self.shape.policy_steps,
