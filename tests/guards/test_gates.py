@@ -180,3 +180,19 @@ def test_step_scorer_gate_refuses_oracle_without_a_checker():
     with pytest.raises(GateError, match="reward.scorer=oracle .* task 'arith' has none"):
         check_step_scorer(task, ProcessReward(scorer="oracle"))
     assert check_step_scorer(task, OutcomeReward())["step_scores"].startswith("none")  # ORM needs no checker
+
+
+def test_trainable_modules_gate_checks_names_on_a_weightless_skeleton(tiny_dir):
+    from prmppo.guards.gates import check_trainable_modules
+
+    tiny = {"model_type": "mistral", "vocab_size": 32, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    assert check_trainable_modules(["model.norm"], tiny, "model=tiny") == {"modules_to_save": ["model.norm"],
+                                                                          "checked": True}
+    with pytest.raises(GateError, match=r"\['ln_f'\].*model=tiny.*\['model.norm'\].*lora.modules_to_save=\[\]"):
+        check_trainable_modules(["ln_f"], tiny, "model=tiny")
+    # a saved model dir's own config.json
+    saved = json.loads((tiny_dir / "config.json").read_text())
+    assert check_trainable_modules(["norm"], saved, "config.json")["checked"] is True
+    assert check_trainable_modules([], None) == {"modules_to_save": []}
+    assert check_trainable_modules(["model.norm"], None)["checked"] is False  # no config yet: the loader decides

@@ -187,3 +187,32 @@ def check_step_scorer(task, reward) -> dict:
         raise GateError(f"reward.scorer=oracle (reward=prm_oracle) needs an exact step checker, but task "
                         f"{task.name!r} has none; use reward=prm (a learned PRM) or a task with a checker")
     return {"step_scores": "exact step checker"}
+
+
+def check_trainable_modules(modules_to_save: list[str], architecture: dict | None, source: str = "") -> dict:
+    """Every `lora.modules_to_save` name must be a module of the model: checked on a skeleton built
+    on the meta device from the model's config (`architecture`, a transformers config dict), so
+    no weights load and a typo fails before SFT. None: the config is not readable yet (model=hf
+    with a missing dir), and the model loader refuses that by name."""
+    if not modules_to_save:
+        return {"modules_to_save": []}
+    if architecture is None:
+        return {"modules_to_save": list(modules_to_save), "checked": False}
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_dict = dict(architecture)
+    model_type = config_dict.pop("model_type")
+    try:
+        config = AutoConfig.for_model(model_type, **config_dict)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # an architecture this transformers cannot build: the loader will say so
+        return {"modules_to_save": list(modules_to_save), "checked": False, "why": f"{type(exc).__name__}: {exc}"}
+    names = [name for name, _ in skeleton.named_modules()]
+    missing = [m for m in modules_to_save if not any(n == m or n.endswith(f".{m}") for n in names)]
+    if missing:
+        norms = [n for n in names if n.endswith("norm") and "layers." not in n and ".h." not in n]
+        raise GateError(f"lora.modules_to_save names {missing}, which no module of the model ({source}) is "
+                        f"called; its top-level norms: {norms or 'none'}; use lora.modules_to_save=[] to train "
+                        f"the LoRA factors only")
+    return {"modules_to_save": list(modules_to_save), "checked": True}

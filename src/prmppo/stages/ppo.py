@@ -90,6 +90,22 @@ def _model_head_dim(model: DictConfig) -> tuple[int | None, str]:
         return None, ""
 
 
+def _model_architecture(model: DictConfig) -> tuple[dict | None, str]:
+    """The transformers config dict the model config implies (no weights), and where it came from."""
+    if "num_attention_heads" in model:  # built from code (model=tiny): a Mistral
+        arch = {k: model[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings")}
+        return {"model_type": "mistral", "vocab_size": 32, "tie_word_embeddings": True, **arch}, "model=tiny"
+    config = Path(model.path) / "config.json" if "path" in model else None
+    if config is None or not config.is_file():
+        return None, ""
+    try:
+        found = json.loads(config.read_text())
+    except json.JSONDecodeError:
+        return None, ""
+    return (found, str(config)) if "model_type" in found else (None, "")
+
+
 def banner(cfg: DictConfig, tokenizer, shape, base_dir: Path, policy, gates: dict) -> dict:
     return {
         "arm": cfg.arm.name, "experiment": cfg.experiment_name, "seed": cfg.seed,
@@ -117,7 +133,8 @@ def early_gates(cfg: DictConfig, task) -> dict:
     Config validation ran in `app.run`; horizon consistency runs when `PPOTrainer` is built.
     """
     from prmppo.app import build
-    from prmppo.guards.gates import check_rollout_engine, check_step_scorer, check_topology, verifier_receipt
+    from prmppo.guards.gates import (check_rollout_engine, check_step_scorer, check_topology,
+                                     check_trainable_modules, verifier_receipt)
 
     topology = cfg.topology
     return {"verifier_receipt": verifier_receipt(task, seed=cfg.seed),
@@ -125,7 +142,9 @@ def early_gates(cfg: DictConfig, task) -> dict:
                                        topology.colocated),
             "rollout_engine": check_rollout_engine(cfg.rollout.engine, cfg.rollout.python,
                                                    *_model_head_dim(cfg.model)),
-            "step_scorer": check_step_scorer(task, build(cfg.reward, "reward"))}
+            "step_scorer": check_step_scorer(task, build(cfg.reward, "reward")),
+            "trainable_modules": check_trainable_modules(list(cfg.lora.get("modules_to_save") or []),
+                                                         *_model_architecture(cfg.model))}
 
 
 def _launch_gates(cfg: DictConfig, base_dir: Path, gates: dict):
