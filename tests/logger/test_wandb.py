@@ -36,9 +36,10 @@ def test_offline_run_holds_the_resolved_config_grouping_and_the_jsonl_metrics(sm
     (offline,) = (run_dir / "wandb").glob("offline-run-*")
     got = read_offline_run(offline)
     assert got["run"]["group"] == "wandb_check" and got["run"]["job_type"] == "sft"
-    assert set(got["run"]["tags"]) == {"orm", "sft", "seed=3"}
+    assert cfg.arm.name == "prm"  # the default arm
+    assert set(got["run"]["tags"]) == {"prm", "sft", "seed=3"}
     # the run config is the job's resolved config
-    assert got["config"]["sft"]["steps"] == cfg.sft.steps and got["config"]["arm"]["name"] == "orm"
+    assert got["config"]["sft"]["steps"] == cfg.sft.steps and got["config"]["arm"]["name"] == "prm"
     assert got["config"]["run_dir"] == str(run_dir) and got["config"]["seed"] == 3
     # every metric row in metrics.jsonl (the source of truth) reached W&B with the same values
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

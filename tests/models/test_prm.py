@@ -83,12 +83,16 @@ def test_label_tokens_head_is_the_two_token_ratio(tok):
     assert expected[ends].std() > 1e-3  # the ratio varies by position: a constant would pass anything
 
 
-def test_scoring_on_the_policy_model_leaves_policy_flags_and_logits_alone(tok, tmp_path):
+@pytest.mark.parametrize("modules_to_save", [[], ["model.norm"]])
+def test_scoring_on_the_policy_model_leaves_policy_flags_and_logits_alone(tok, tmp_path, modules_to_save):
     standalone, head = _trained_prm(tok, tmp_path)
     rows = _rows(tok)
     expected, _ = _scorer(standalone, head, tok).score(rows)
 
-    policy = LoraPolicy(_model(tok), detach_value_hidden=True, r=4, alpha=8, target_modules=TARGETS)
+    # with modules_to_save the policy also trains its own copy of the final norm: the PRM must
+    # still read the base's norm
+    policy = LoraPolicy(_model(tok), detach_value_hidden=True, r=4, alpha=8, target_modules=TARGETS,
+                        modules_to_save=modules_to_save)
     _perturb(policy.policy_parameters(), seed=2)  # the policy has moved away from the base
     frozen_one = policy.policy_parameters()[0]
     frozen_one.requires_grad_(False)  # an unusual flag: it must survive exactly
