@@ -31,3 +31,19 @@ def test_console_off_prints_nothing_even_on_a_terminal(monkeypatch, capsys):
     capsys.readouterr()  # the enabled bar's own output
     console.print_summary("ppo[orm]", 0, 5, {"rollout/accuracy": 0.5}, enabled=False)
     assert capsys.readouterr().err == ""
+
+
+def test_training_milestones_reach_a_quiet_log_every_tenth_of_the_steps(monkeypatch, caplog):
+    monkeypatch.setattr(console, "interactive", lambda: False)
+    with caplog.at_level("INFO", logger="prmppo"):
+        for step in range(25):
+            console.log_milestone("sft", step, 25, {"loss": 0.5}, enabled=True)
+        console.log_milestone("prm", 0, 25, {"loss": 0.5}, enabled=False)  # logger.console=false
+    lines = [r.getMessage() for r in caplog.records]
+    # 25 // 10 = 2: every second step, and the last
+    assert lines == [f"sft step {n}/25 loss 0.500" for n in range(2, 25, 2)] + ["sft step 25/25 loss 0.500"]
+    monkeypatch.setattr(console, "interactive", lambda: True)  # bars show progress on a terminal
+    with caplog.at_level("INFO", logger="prmppo"):
+        caplog.clear()
+        console.log_milestone("sft", 1, 25, {"loss": 0.5}, enabled=True)
+    assert caplog.records == []

@@ -4,7 +4,7 @@ On an interactive terminal every long loop (SFT steps, PRM training and labellin
 iterations and their update epochs, evaluation rollouts) shows a tqdm bar, and each PPO iteration
 prints one summary line above the bars. In a non-interactive log (a file, CI, a SLURM job) the
 bars are off, and the summary line goes to the log every `QUIET_EVERY` iterations and at the last,
-so the log stays readable. `logger.console=false` turns both off; metrics.jsonl is unaffected.
+so the log stays readable; SFT and PRM training put a step line there every tenth of their steps. `logger.console=false` turns both off; metrics.jsonl is unaffected.
 """
 
 from __future__ import annotations
@@ -60,3 +60,14 @@ def print_summary(label: str, iteration: int, iterations: int, metrics: dict, en
         tqdm.write(line, file=sys.stderr)
     elif iteration % QUIET_EVERY == 0 or iteration == iterations - 1:
         log.info(line)
+
+
+def log_milestone(label: str, step: int, steps: int, values: dict, enabled: bool) -> None:
+    """In a non-interactive log (no bars), `sft step 300/1000 loss 0.412 ...` at every tenth of the
+    steps and the last, so a long warm start or PRM training shows it is alive."""
+    if not enabled or interactive():
+        return
+    tenth = max(steps // 10, 1)
+    if (step + 1) % tenth == 0 or step == steps - 1:
+        shown = " ".join(f"{k} {v:.3f}" for k, v in values.items())
+        log.info(f"{label} step {step + 1}/{steps} {shown}")

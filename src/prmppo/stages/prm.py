@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from prmppo import artifacts
-from prmppo.logger.console import progress as progress_bar
+from prmppo.logger.console import log_milestone, progress as progress_bar
 from prmppo.models.prm import LearnedStepScorer, make_head, new_prm, prm_step_logits, save_prm
 from prmppo.ppo.batch import collate
 from prmppo.ppo.maths import make_scheduler
@@ -126,6 +126,7 @@ def train_prm(peft_model, head, examples: list[StepExample], *, steps: int, batc
         optimizer.step()
         scheduler.step()
         loss_ema = loss.item() if loss_ema is None else 0.9 * loss_ema + 0.1 * loss.item()
+        log_milestone("prm", step, steps, {"loss": loss_ema}, logger.console)
         if step % log_every == 0 or step == steps - 1:
             hits = ((logits[label_mask] > 0) == (targets[label_mask] >= 0.5)).float().mean()
             logger.log(step, {"prm/loss": loss.item(), "prm/lr": scheduler.get_last_lr()[0],
@@ -269,6 +270,8 @@ def ensure_prm(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path, reuse
                             batch_rows=cfg.eval.batch_rows, seed=cfg.seed, show_progress=cfg.logger.console)
     rng = random.Random(f"{cfg.seed}-prm")
     summary: dict = {"prm_dir": str(final), "sft_checkpoint": str(sft_checkpoint)}
+    log.info("training the PRM on %s: labels from %s on %d problems, then %d steps x %d responses",
+             sft_checkpoint, p.label_source, p.train_problems, p.steps, p.batch_rows)
     with open_metrics(cfg, run_dir, "prm") as logger:
         start = time.time()
         examples = make_step_labels(

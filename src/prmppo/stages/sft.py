@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from prmppo.errors import PrmppoError
-from prmppo.logger.console import progress as progress_bar
+from prmppo.logger.console import log_milestone, progress as progress_bar
 from prmppo.ppo.maths import make_scheduler
 
 IGNORE = -100  # label of positions that carry no loss (prompt and padding)
@@ -93,6 +93,7 @@ def train_sft(model, source: SFTBatchSource, *, steps: int, batch_rows: int, lr:
         tokens += int((labels != IGNORE).sum())
         loss_value = loss.item()
         loss_ema = loss_value if loss_ema is None else 0.9 * loss_ema + 0.1 * loss_value
+        log_milestone("sft", step, steps, {"loss": loss_ema}, logger.console)
         if step % log_every == 0 or step == steps - 1:
             elapsed = time.time() - start
             logger.log(step, {"sft/loss": loss_value, "sft/lr": scheduler.get_last_lr()[0],
