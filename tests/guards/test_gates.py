@@ -191,6 +191,8 @@ def test_trainable_modules_gate_checks_names_on_a_weightless_skeleton(tiny_dir):
                                                                           "checked": True}
     with pytest.raises(GateError, match=r"\['ln_f'\].*model=tiny.*\['model.norm'\].*lora.modules_to_save=\[\]"):
         check_trainable_modules(["ln_f"], tiny, "model=tiny")
+    with pytest.raises(GateError, match=r"\['lm_head'\].*tied input/output embedding"):
+        check_trainable_modules(["lm_head"], {**tiny, "tie_word_embeddings": True}, "model=tiny")
     # a saved model dir's own config.json
     saved = json.loads((tiny_dir / "config.json").read_text())
     assert check_trainable_modules(["norm"], saved, "config.json")["checked"] is True

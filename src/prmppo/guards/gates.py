@@ -209,6 +209,12 @@ def check_trainable_modules(modules_to_save: list[str], architecture: dict | Non
     except Exception as exc:  # an architecture this transformers cannot build: the loader will say so
         return {"modules_to_save": list(modules_to_save), "checked": False, "why": f"{type(exc).__name__}: {exc}"}
     names = [name for name, _ in skeleton.named_modules()]
+    tied = [m for m in modules_to_save
+            if getattr(config, "tie_word_embeddings", False) and m.split(".")[-1] in ("lm_head", "embed_tokens")]
+    if tied:
+        raise GateError(f"lora.modules_to_save names {tied}, which shares its weight with the tied input/output "
+                        f"embedding of the model ({source}); training one copy would break the tie in the synced "
+                        f"weights")
     missing = [m for m in modules_to_save if not any(n == m or n.endswith(f".{m}") for n in names)]
     if missing:
         norms = [n for n in names if n.endswith("norm") and "layers." not in n and ".h." not in n]

@@ -4,7 +4,8 @@ On an interactive terminal every long loop (SFT steps, PRM training and labellin
 iterations and their update epochs, evaluation rollouts) shows a tqdm bar, and each PPO iteration
 prints one summary line above the bars. In a non-interactive log (a file, CI, a SLURM job) the
 bars are off, and the summary line goes to the log every `QUIET_EVERY` iterations and at the last,
-so the log stays readable; SFT and PRM training put a step line there every tenth of their steps. `logger.console=false` turns both off; metrics.jsonl is unaffected.
+so the log stays readable; SFT and PRM training put a step line there every tenth of their
+steps. `logger.console=false` turns both off; metrics.jsonl is unaffected.
 """
 
 from __future__ import annotations
