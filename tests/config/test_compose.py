@@ -108,13 +108,31 @@ def test_schema_rejects_at_compose_time(override, fragment):
     (["ppo.advantage_estimator=vtrace"], ["ppo.advantage_estimator='vtrace'", "gae, rloo, grpo"]),
     (["ppo.advantage_estimator=rloo", "ppo.n_samples_per_prompt=1", "ppo.minibatch_rows=32"],
      ["ppo.advantage_estimator=rloo", "ppo.n_samples_per_prompt >= 2"]),
+    # k1's gradient on the policy's own samples is zero in expectation: a KL loss that does nothing
+    (["ppo.kl_loss_coef=0.1", "ppo.kl_loss_estimator=k1"], ["ppo.kl_loss_estimator=k1", "use k2 or k3"]),
+    (["ppo.kl_loss_coef=-1"], ["ppo.kl_loss_coef=-1", ">= 0"]),
+    (["ppo.advantage_estimator=rloo", "ppo.value_warmup_iterations=2"],
+     ["ppo.value_warmup_iterations=2 warms up a critic", "uses none"]),
 ])
+
 def test_cross_field_rejections_name_keys_and_arithmetic(overrides, fragments):
     cfg = compose_config(overrides)
     with pytest.raises(ConfigError) as err:
         validate_config(cfg)
     for fragment in fragments:
         assert fragment in str(err.value)
+
+
+def test_kl_in_the_reward_and_a_kl_loss_together_are_accepted():
+    validate_config(compose_config(["ppo.kl_coef=0.01", "ppo.kl_loss_coef=0.01", "ppo.kl_loss_estimator=k3"]))
+
+
+def test_schema_alone_holds_the_ppo_defaults():
+    # conf/ppo/default.yaml restates nothing: a config built from the schema runs the same algorithm
+    from prmppo.config.schema import PPOConfig
+
+    composed = compose_config([]).ppo
+    assert {key: composed[key] for key in composed} == vars(PPOConfig())
 
 
 def test_target_outside_allowed_packages_is_refused():

@@ -11,7 +11,7 @@ from prmppo.errors import PrmppoError
 from prmppo.guards.gates import GateError, check_topology, derive_eos, verifier_receipt
 from prmppo.models.loading import load_tokenizer
 from prmppo.models.tiny import TinyModelSource
-from prmppo.ppo.loop import HorizonError, Shape, check_horizon
+from prmppo.ppo.loop import HorizonError, Shape, check_horizon, count_policy_steps
 from prmppo.tasks import ArithTask
 
 
@@ -144,14 +144,19 @@ def test_derive_eos_refuses_a_generation_config_that_disagrees(tiny_dir, tmp_pat
 
 # --------------------------------------------------------------------------- horizon
 
-def test_horizon_refuses_a_schedule_that_ends_before_the_run():
+def test_horizon_compares_the_schedule_with_the_loops_own_count():
     ppo = SimpleNamespace(prompts_per_iteration=4, n_samples_per_prompt=2, minibatch_rows=4, micro_batch_rows=2,
                           iterations=3, value_warmup_iterations=1, ppo_epochs=2)
     shape = Shape.derive(ppo)
     assert shape.policy_steps == (3 - 1) * 2 * 2  # (iterations - warmup) * epochs * minibatches per epoch
-    check_horizon(8, shape, ppo)
-    with pytest.raises(HorizonError, match=r"spans 6 steps but the run takes 8 policy optimizer steps"):
-        check_horizon(6, shape, ppo)
+    assert count_policy_steps(ppo) == 8  # counted by walking iterations, epochs and minibatch slices
+    check_horizon(shape.policy_steps, count_policy_steps(ppo), ppo)
+    # 8 rows in slices of 3 (a config validation would refuse): the schedule assumes 8 // 3 = 2
+    # minibatches per epoch, the loop takes 3 slices (3, 3, 2), so the LR would not end with the run
+    uneven = SimpleNamespace(**{**vars(ppo), "minibatch_rows": 3, "micro_batch_rows": 3})
+    assert (Shape.derive(uneven).policy_steps, count_policy_steps(uneven)) == (8, 12)
+    with pytest.raises(HorizonError, match=r"spans 8 steps but the update loop takes 12 policy optimizer steps"):
+        check_horizon(Shape.derive(uneven).policy_steps, count_policy_steps(uneven), uneven)
 
 
 class _NoCheckerTask(ArithTask):

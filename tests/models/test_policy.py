@@ -1,4 +1,5 @@
-"""LoRA policy on a resident base: starts equal to the reference, merged save equals the live policy."""
+"""LoRA policy on a resident base: starts equal to the reference, merged save equals the live policy;
+the reference stays the base after a PRM adapter loads (LoRA and full fine-tuning)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from transformers import MistralConfig, MistralForCausalLM
 
 from prmppo.models.loading import load_model
 from prmppo.models.policy import FullPolicy, LoraPolicy
+from prmppo.models.prm import PRM_ADAPTER, adapter_active, load_prm, make_head, new_prm, save_prm
 from prmppo.models.tiny import build_char_tokenizer
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -28,7 +30,7 @@ def _inputs():
 
 
 def test_lora_policy_starts_at_the_reference_and_moves_away():
-    policy = LoraPolicy(_model(), detach_value_hidden=True, r=4, alpha=8, target_modules=TARGETS)
+    policy = LoraPolicy(_model(), detach_value_hidden=True, critic=True, r=4, alpha=8, target_modules=TARGETS)
     ids, att, pos = _inputs()
     logits, values = policy.forward(ids, att, pos)
     assert torch.allclose(logits, policy.reference_logits(ids, att, pos), atol=1e-6)
@@ -43,15 +45,15 @@ def test_lora_policy_starts_at_the_reference_and_moves_away():
 
 
 def test_lora_init_is_seeded():
-    a = LoraPolicy(_model(), True, r=4, target_modules=TARGETS, init_seed=3).policy_parameters()
-    b = LoraPolicy(_model(), True, r=4, target_modules=TARGETS, init_seed=3).policy_parameters()
-    c = LoraPolicy(_model(), True, r=4, target_modules=TARGETS, init_seed=4).policy_parameters()
+    a = LoraPolicy(_model(), True, True, r=4, target_modules=TARGETS, init_seed=3).policy_parameters()
+    b = LoraPolicy(_model(), True, True, r=4, target_modules=TARGETS, init_seed=3).policy_parameters()
+    c = LoraPolicy(_model(), True, True, r=4, target_modules=TARGETS, init_seed=4).policy_parameters()
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert not all(torch.equal(x, y) for x, y in zip(a, c))
 
 
 def test_merged_checkpoint_reproduces_the_live_policy(tmp_path):
-    policy = LoraPolicy(_model(), detach_value_hidden=True, r=4, alpha=8, target_modules=TARGETS)
+    policy = LoraPolicy(_model(), detach_value_hidden=True, critic=True, r=4, alpha=8, target_modules=TARGETS)
     with torch.no_grad():
         for p in policy.policy_parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -67,7 +69,7 @@ def test_merged_checkpoint_reproduces_the_live_policy(tmp_path):
 def test_value_head_detach_controls_backbone_gradients():
     ids, att, pos = _inputs()
     for detach, expect_grad in ((True, False), (False, True)):
-        policy = LoraPolicy(_model(), detach_value_hidden=detach, r=4, target_modules=TARGETS)
+        policy = LoraPolicy(_model(), detach_value_hidden=detach, critic=True, r=4, target_modules=TARGETS)
         torch.nn.init.normal_(policy.value_head.linear.weight)
         _, values = policy.forward(ids, att, pos)
         values.sum().backward()
@@ -76,7 +78,7 @@ def test_value_head_detach_controls_backbone_gradients():
 
 
 def test_full_policy_keeps_a_frozen_reference():
-    policy = FullPolicy(_model(), detach_value_hidden=True)
+    policy = FullPolicy(_model(), detach_value_hidden=True, critic=True)
     with pytest.raises(ValueError, match="lora=adapter"):
         policy.save_adapter(None)
     ids, att, pos = _inputs()
@@ -90,7 +92,7 @@ def test_full_policy_keeps_a_frozen_reference():
 def test_modules_to_save_trains_the_final_norm_at_its_own_lr_and_every_sync_carries_it(tmp_path):
     from peft import PeftModel
 
-    policy = LoraPolicy(_model(), detach_value_hidden=True, r=4, alpha=8, target_modules=TARGETS,
+    policy = LoraPolicy(_model(), detach_value_hidden=True, critic=True, r=4, alpha=8, target_modules=TARGETS,
                         modules_to_save=["model.norm"], modules_to_save_lr=0.5)
     groups = policy.policy_param_groups(1e-4)
     assert [g["lr"] for g in groups] == [1e-4, 0.5]
@@ -116,6 +118,53 @@ def test_modules_to_save_trains_the_final_norm_at_its_own_lr_and_every_sync_carr
 
 def test_modules_to_save_refuses_unknown_and_tied_modules():
     with pytest.raises(ValueError, match="no module of the base model is named 'final_norm'"):
-        LoraPolicy(_model(), True, r=4, target_modules=TARGETS, modules_to_save=["final_norm"])
+        LoraPolicy(_model(), True, True, r=4, target_modules=TARGETS, modules_to_save=["final_norm"])
     with pytest.raises(ValueError, match="tied input/output embedding"):
-        LoraPolicy(_model(), True, r=4, target_modules=TARGETS, modules_to_save=["lm_head"])
+        LoraPolicy(_model(), True, True, r=4, target_modules=TARGETS, modules_to_save=["lm_head"])
+
+
+def _saved_prm(prm_dir) -> torch.Tensor:
+    """Save a PRM with non-trivial (perturbed) adapter weights on `_model()` to `prm_dir`; returns its
+    LM logits [3, 10, 32] on `_inputs()` with the `prm` adapter on."""
+    peft_model = new_prm(_model(), r=4, alpha=8, target_modules=TARGETS, init_seed=0)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in peft_model.parameters():
+            if p.requires_grad:
+                p.add_(0.3 * torch.randn(p.shape, generator=generator))
+    save_prm(prm_dir, peft_model, make_head("classifier", 32, None))
+    ids, att, pos = _inputs()
+    with torch.no_grad():
+        return peft_model(input_ids=ids, attention_mask=att, position_ids=pos).logits
+
+
+@pytest.mark.parametrize("policy_type", [LoraPolicy, FullPolicy])
+def test_reference_stays_the_base_after_a_prm_loads_on_the_prm_host(tmp_path, policy_type):
+    prm_logits = _saved_prm(tmp_path / "prm")
+    ids, att, pos = _inputs()
+    with torch.no_grad():
+        base = _model()(input_ids=ids, attention_mask=att, position_ids=pos).logits  # [3, 10, 32]
+    # the PRM adapter moves the LM's logits, so a reference that carried it would show here
+    assert (prm_logits - base).abs().max() > 0.1
+    if policy_type is LoraPolicy:
+        policy = LoraPolicy(_model(), detach_value_hidden=True, critic=True, r=4, alpha=8, target_modules=TARGETS)
+    else:
+        policy = FullPolicy(_model(), detach_value_hidden=True, critic=True)
+    with torch.no_grad():  # the policy moves away from the base; the reference must not follow
+        for p in policy.policy_parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(2)))
+    trainable_before = {n: p.requires_grad for n, p in policy.model.named_parameters()}
+    # the same call as the ppo stage's _attach_step_scorer: the PRM joins the policy's prm_host
+    peft_model, _ = load_prm(tmp_path / "prm", policy.prm_host, None)
+
+    assert torch.allclose(policy.reference_logits(ids, att, pos), base, atol=1e-6)
+    with adapter_active(peft_model, PRM_ADAPTER):  # how LearnedStepScorer runs the PRM: unchanged by the fix
+        with torch.no_grad():
+            scored = peft_model(input_ids=ids, attention_mask=att, position_ids=pos).logits
+    assert torch.allclose(scored, prm_logits, atol=1e-5)
+    # a reference pass after a scoring pass still switches the PRM off, and leaves it frozen
+    assert torch.allclose(policy.reference_logits(ids, att, pos), base, atol=1e-6)
+    prm_flags = [p.requires_grad for n, p in peft_model.named_parameters() if f".{PRM_ADAPTER}." in n]
+    assert prm_flags and not any(prm_flags)
+    after = {n: p.requires_grad for n, p in policy.model.named_parameters()}
+    assert {n: after[n] for n in trainable_before} == trainable_before

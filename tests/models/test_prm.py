@@ -91,7 +91,7 @@ def test_scoring_on_the_policy_model_leaves_policy_flags_and_logits_alone(tok, t
 
     # with modules_to_save the policy also trains its own copy of the final norm: the PRM must
     # still read the base's norm
-    policy = LoraPolicy(_model(tok), detach_value_hidden=True, r=4, alpha=8, target_modules=TARGETS,
+    policy = LoraPolicy(_model(tok), detach_value_hidden=True, critic=True, r=4, alpha=8, target_modules=TARGETS,
                         modules_to_save=modules_to_save)
     _perturb(policy.policy_parameters(), seed=2)  # the policy has moved away from the base
     frozen_one = policy.policy_parameters()[0]

@@ -23,6 +23,7 @@ from prmppo.ppo.checkpoint import (
     save_checkpoint,
 )
 from prmppo.ppo.loop import PPOTrainer
+from prmppo.rewards.prm import ProcessReward
 
 TARGETS = ["q_proj", "v_proj"]
 
@@ -39,13 +40,15 @@ def _policy(kind: str):
                         tie_word_embeddings=True)
     model = MistralForCausalLM(cfg)
     if kind == "lora":
-        return LoraPolicy(model, detach_value_hidden=False, r=4, alpha=8, target_modules=TARGETS)
-    return FullPolicy(model, detach_value_hidden=False)
+        return LoraPolicy(model, detach_value_hidden=False, critic=True, r=4, alpha=8, target_modules=TARGETS)
+    return FullPolicy(model, detach_value_hidden=False, critic=True)
 
 
-def _trainer(policy):
-    ppo = OmegaConf.to_object(compose_config(["debug=smoke", "ppo.iterations=4"]).ppo)
-    return PPOTrainer(policy=policy, tokenizer=None, task=_Task(), reward=None, engine=None, sync=None, ppo=ppo,
+def _trainer(policy, label_noise: float = 0.5):
+    # gae: the critic and its optimizer travel too
+    ppo = OmegaConf.to_object(compose_config(["debug=smoke", "ppo.iterations=4", "ppo.advantage_estimator=gae"]).ppo)
+    reward = ProcessReward(label_noise=label_noise, seed=0)  # the reward with state: its label-noise generator
+    return PPOTrainer(policy=policy, tokenizer=None, task=_Task(), reward=reward, engine=None, sync=None, ppo=ppo,
                       logger=None, device=torch.device("cpu"), seed=0)
 
 
@@ -74,6 +77,7 @@ def test_round_trip_restores_weights_optimizers_scheduler_counters_and_rng(tmp_p
     for _ in range(3):
         _step(policy, trainer)
     trainer.skipped_steps = 1  # counters travel as they are
+    torch.rand(5, generator=trainer.reward.noise_generator)  # the label noise drew flips for some steps
     saved = save_checkpoint(tmp_path / "checkpoints", 2, policy, trainer, {"alarms": [{"iteration": 1}]})
     rng_at_save = torch.get_rng_state()
 
@@ -93,6 +97,7 @@ def test_round_trip_restores_weights_optimizers_scheduler_counters_and_rng(tmp_p
     assert (fresh_trainer.policy_steps_taken, fresh_trainer.skipped_steps) == (3, 1)
     assert fresh_trainer.skip_budget.steps == trainer.skip_budget.steps == 3
     assert torch.equal(torch.get_rng_state(), rng_at_save)
+    assert torch.equal(fresh_trainer.reward.noise_generator.get_state(), trainer.reward.noise_generator.get_state())
     assert read_meta(saved)["extra"] == {"alarms": [{"iteration": 1}]}
     # one more step from the same state gives the same weights: the Adam moments came back too
     _step(policy, trainer)
@@ -105,7 +110,7 @@ def test_round_trip_restores_weights_optimizers_scheduler_counters_and_rng(tmp_p
 def test_tensor_files_load_with_weights_only(tmp_path):
     policy = _policy("lora")
     saved = save_checkpoint(tmp_path / "checkpoints", 1, policy, _trainer(policy))
-    for name in ("optim.pt", "rng.pt"):
+    for name in ("optim.pt", "rng.pt", "reward.pt"):
         torch.load(saved / name, weights_only=True)  # raises if anything but tensors/containers was pickled
     assert (saved / "value_head.safetensors").is_file() and list((saved / "adapter").rglob("*.safetensors"))
     assert saved.name == "it000001" and not list(saved.parent.glob("*.partial"))
@@ -144,6 +149,30 @@ def test_resume_with_a_different_horizon_is_refused(tmp_path):
     (saved / "checkpoint.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match=r"999 planned policy optimizer steps; this config plans 8"):
         load_checkpoint(saved, _policy("lora"), _trainer(_policy("lora")))
+
+
+def _drop_reward_state(saved) -> None:
+    """Make `saved` look like a checkpoint written before `reward.pt` existed."""
+    (saved / "reward.pt").unlink()
+    meta = json.loads((saved / "checkpoint.json").read_text())
+    del meta["files"]["reward.pt"]
+    (saved / "checkpoint.json").write_text(json.dumps(meta))
+
+
+def test_checkpoint_without_reward_state_resumes_only_a_reward_without_noise(tmp_path):
+    policy = _policy("lora")
+    saved = save_checkpoint(tmp_path / "checkpoints", 1, policy, _trainer(policy))
+    _drop_reward_state(saved)
+    assert load_checkpoint(saved, _policy("lora"), _trainer(_policy("lora"), label_noise=0.0)) == 1
+    with pytest.raises(CheckpointError, match=r"predates reward.pt, so a resume would flip other steps"):
+        load_checkpoint(saved, _policy("lora"), _trainer(_policy("lora"), label_noise=0.5))
+
+
+def test_reward_state_of_other_reward_settings_is_refused(tmp_path):
+    policy = _policy("lora")
+    saved = save_checkpoint(tmp_path / "checkpoints", 1, policy, _trainer(policy, label_noise=0.5))
+    with pytest.raises(CheckpointError, match=r"reward.label_noise=0.0 needs \[\]\): resume with the reward"):
+        load_checkpoint(saved, _policy("lora"), _trainer(_policy("lora"), label_noise=0.0))
 
 
 def test_pruning_keeps_the_newest_and_pinned(tmp_path):

@@ -15,6 +15,7 @@ from prmppo.ppo.maths import (
     explained_variance,
     gae,
     group_baseline_advantages,
+    returns_to_go,
     logprobs_from_logits,
     make_scheduler,
     masked_mean,
@@ -101,12 +102,19 @@ def test_gae_refuses_bad_arguments():
         gae(REWARDS, VALUES[:, :2], FULL, gamma=1.0, lam=1.0)
 
 
+def _outcome_term(rewards, mask):
+    """An outcome-style term: every row pays at its last real token."""
+    last = torch.zeros_like(mask, dtype=torch.bool)
+    last[torch.arange(mask.shape[0]), mask.sum(-1).long() - 1] = True
+    return rewards, last
+
+
 def test_rloo_outcome_reward_by_hand():
     # two prompts x 3 samples, reward on the last real token; row 2 has one padded position
     rewards = t([[0, 0, 1.0], [0, 0, 0], [0, 1.0, 0],
                  [0, 0, 1.0], [0, 0, 1.0], [0, 0, 1.0]])
     mask = t([[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 1, 1]])
-    adv = group_baseline_advantages(rewards, mask, group_size=3, gamma=1.0, mode="rloo")
+    adv = group_baseline_advantages([_outcome_term(rewards, mask)], mask, group_size=3, gamma=1.0, mode="rloo")
     # group 1 returns R = (1, 0, 1): baselines (0+1)/2 = .5, (1+1)/2 = 1, (1+0)/2 = .5
     assert torch.allclose(adv[0], t([0.5, 0.5, 0.5]))
     assert torch.allclose(adv[1], t([-1.0, -1.0, -1.0]))
@@ -115,30 +123,105 @@ def test_rloo_outcome_reward_by_hand():
     assert torch.equal(adv[3:], torch.zeros(3, 3))
 
 
-def test_rloo_keeps_step_credit_in_return_to_go():
-    # step rewards .2 at t=0 and .5 at t=2 in row 0; row 1 gets 1 at the end; gamma = .5
+def test_rloo_step_rewards_are_compared_step_with_step():
+    # one term with events at t=0 and t=2 in both rows; gamma = .5
+    # row 0 steps (.2, .5): mean .35; row 1 steps (0, 1): mean .5
     rewards = t([[0.2, 0, 0.5], [0, 0, 1.0]])
-    adv = group_baseline_advantages(rewards, torch.ones(2, 3), group_size=2, gamma=0.5, mode="rloo")
-    # row 0 G = (.2 + .25*.5, .5*.5, .5) = (.325, .25, .5); row 1 G = (.25, .5, 1)
-    # baselines: row 0 <- R_1 = .25, row 1 <- R_0 = .325
-    assert torch.allclose(adv[0], t([0.075, 0.0, 0.25]))
-    assert torch.allclose(adv[1], t([-0.075, 0.175, 0.675]))
+    events = torch.tensor([[True, False, True], [True, False, True]])
+    adv = group_baseline_advantages([(rewards, events)], torch.ones(2, 3), group_size=2, gamma=0.5, mode="rloo")
+    # row 0 baseline = .5 (row 1's mean step reward): centred (-.3, 0, 0); G = (-.3 + .25 * 0, 0, 0)
+    # row 1 baseline = .35: centred (-.35, 0, .65); G = (-.35 + .25 * .65, .5 * .65, .65)
+    assert torch.allclose(adv[0], t([-0.3, 0.0, 0.0]))
+    assert torch.allclose(adv[1], t([-0.1875, 0.325, 0.65]))
 
 
 def test_grpo_normalises_by_group_std():
     rewards = t([[1.0], [0.0], [0.0], [1.0]])
-    adv = group_baseline_advantages(rewards, torch.ones(4, 1), group_size=4, gamma=1.0, mode="grpo")
+    adv = group_baseline_advantages([_outcome_term(rewards, torch.ones(4, 1))], torch.ones(4, 1), group_size=4,
+                                    gamma=1.0, mode="grpo")
     # mean .5, unbiased std sqrt(4 * .25 / 3) = .57735
     assert torch.allclose(adv[:, 0], t([0.8660, -0.8660, -0.8660, 0.8660]), atol=1e-4)
 
 
+def test_grpo_process_supervision_by_hand():
+    # DeepSeekMath process GRPO: every step reward of the group pooled: (1, 0) and (1, 1)
+    # mean .75, unbiased std sqrt((3 * .0625 + .5625) / 3) = .5; normalised (.5, -1.5), (.5, .5)
+    rewards = t([[1.0, 0.0], [1.0, 1.0]])
+    events = torch.ones(2, 2, dtype=torch.bool)
+    adv = group_baseline_advantages([(rewards, events)], torch.ones(2, 2), group_size=2, gamma=1.0, mode="grpo")
+    # advantage = sum of the normalised rewards of this and the following steps
+    assert torch.allclose(adv, t([[-1.0, -1.5], [1.0, 0.5]]), atol=1e-5)
+
+
+PERFECT = t([[0, 0.99, 0, 0.99, 0, 0.99]])  # 3 steps, PRM ~.99 at each step end (t = 1, 3, 5)
+STEP_ENDS = torch.tensor([[False, True, False, True, False, True]])
+
+
+@pytest.mark.parametrize("mode", ["rloo", "grpo"])
+def test_identical_responses_get_zero_advantage_at_every_token(mode):
+    # 4 identical perfect responses: PRM term (.99 at 3 step ends) + outcome 1 on the last token.
+    # A whole-response baseline against the return-to-go gave step means [0, -.99, -1.98] (rloo)
+    # and [0, -197, -395] (grpo): position, not quality.
+    mask = torch.ones(4, 6, dtype=PERFECT.dtype)
+    process = (PERFECT.repeat(4, 1), STEP_ENDS.repeat(4, 1))
+    outcome = _outcome_term(t([[0, 0, 0, 0, 0, 1.0]]).repeat(4, 1), mask)
+    adv = group_baseline_advantages([process, outcome], mask, group_size=4, gamma=1.0, mode=mode)
+    assert torch.allclose(adv, torch.zeros_like(adv), atol=1e-9)  # zero up to the rounding of a mean
+
+
+def _two_right_two_wrong():
+    """One prompt, 4 responses of 3 steps (3 tokens each); rows 2, 3 go wrong at step 2."""
+    step = torch.tensor([False, False, True])
+    ends = torch.cat([step, step, step]).repeat(4, 1)  # [4, 9] step ends at t = 2, 5, 8
+    scores = t([[1, 1, 1], [1, 1, 1], [1, 0, 0], [1, 0, 0]])  # PRM step scores (an exact PRM)
+    process = torch.zeros(4, 9, dtype=scores.dtype)
+    process[ends] = scores.flatten()
+    outcome = torch.zeros(4, 9, dtype=scores.dtype)
+    outcome[:, -1] = t([1, 1, 0, 0])
+    return process, ends, outcome, torch.ones(4, 9, dtype=scores.dtype)
+
+
+@pytest.mark.parametrize("mode", ["rloo", "grpo"])
+def test_right_responses_beat_wrong_ones_after_the_wrong_step(mode):
+    process, ends, outcome, mask = _two_right_two_wrong()
+    adv = group_baseline_advantages([(process, ends), _outcome_term(outcome, mask)], mask, group_size=4,
+                                    gamma=1.0, mode=mode)
+    after = slice(3, 9)  # the tokens of steps 2 and 3
+    assert (adv[:2, after].min(0).values > adv[2:, after].max(0).values).all()
+    # every token of a right response has a positive advantage (its last quarter included)
+    assert (adv[:2] > 0).all()
+
+
+def test_right_responses_beat_wrong_ones_under_gae_with_a_fitted_critic():
+    # The critic is the least-squares fit of a value that sees only the position: the group's mean
+    # return-to-go at each token (it cannot tell the rows apart, as a critic that has not learned the
+    # task cannot); lam = 1 makes A_t = G_t - V_t.
+    process, _, outcome, mask = _two_right_two_wrong()
+    rewards = process + outcome
+    values = returns_to_go(rewards, mask, 1.0).mean(0, keepdim=True).repeat(4, 1)
+    adv, _ = gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    assert (adv[:2, 3:].min(0).values > adv[2:, 3:].max(0).values).all()
+    assert (adv[:2] > 0).all()
+
+
+def test_gae_bootstraps_a_row_cut_at_the_length_limit():
+    # row 0 ended at EOS (terminal), row 1 was cut: the value after its last token is 2.0
+    rewards, values = t([[0, 1.0], [0, 1.0]]), t([[0.5, 0.5], [0.5, 0.5]])
+    adv, ret = gae(rewards, values, torch.ones(2, 2), gamma=1.0, lam=1.0, bootstrap=t([0.0, 2.0]))
+    # row 0: G = (1, 1) -> A = (.5, .5); row 1: G = (3, 3) -> A = (2.5, 2.5)
+    assert torch.allclose(adv, t([[0.5, 0.5], [2.5, 2.5]]))
+    assert torch.allclose(ret, t([[1.0, 1.0], [3.0, 3.0]]))
+
+
 def test_group_baseline_refuses_bad_shapes():
+    term = [(torch.zeros(5, 2), torch.ones(5, 2, dtype=torch.bool))]
     with pytest.raises(ValueError, match="whole number of groups"):
-        group_baseline_advantages(torch.zeros(5, 2), torch.ones(5, 2), group_size=2, gamma=1.0, mode="rloo")
+        group_baseline_advantages(term, torch.ones(5, 2), group_size=2, gamma=1.0, mode="rloo")
+    term = [(torch.zeros(4, 2), torch.ones(4, 2, dtype=torch.bool))]
     with pytest.raises(ValueError, match="at least 2"):
-        group_baseline_advantages(torch.zeros(4, 2), torch.ones(4, 2), group_size=1, gamma=1.0, mode="rloo")
+        group_baseline_advantages(term, torch.ones(4, 2), group_size=1, gamma=1.0, mode="rloo")
     with pytest.raises(ValueError, match="valid modes"):
-        group_baseline_advantages(torch.zeros(4, 2), torch.ones(4, 2), group_size=2, gamma=1.0, mode="ppo")
+        group_baseline_advantages(term, torch.ones(4, 2), group_size=2, gamma=1.0, mode="ppo")
 
 
 # ----------------------------------------------------------------------------- policy loss

@@ -33,5 +33,14 @@ def test_outcome_reward_weight_scales_and_reports_mean():
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.float32)
     rewards, metrics = OutcomeReward(correct_reward=1.0, wrong_reward=0.0, w_outcome=2.0)(
         _Batch(torch.tensor([1.0, 1.0]), mask))
-    assert rewards.tolist() == [[0, 2.0, 0], [0, 0, 2.0]]
+    assert rewards.total.tolist() == [[0, 2.0, 0], [0, 0, 2.0]]
+    assert rewards.terms["outcome"].events.tolist() == [[False, True, False], [False, False, True]]
     assert metrics["reward/outcome_mean"] == 2.0
+
+
+def test_outcome_reward_has_no_state_to_checkpoint():
+    reward = OutcomeReward(seed=5)  # the runner passes every reward the run's seed; this one draws nothing
+    assert reward.state_dict() == {}
+    reward.load_state_dict({})
+    with pytest.raises(ValueError, match=r"holds \['noise_generator'\] but the outcome reward has none"):
+        reward.load_state_dict({"noise_generator": torch.zeros(3, dtype=torch.uint8)})

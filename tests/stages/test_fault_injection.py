@@ -32,9 +32,10 @@ import pytest
 
 from prmppo.ppo.checkpoint import latest_checkpoint, read_meta
 
-# the same moving setup as tests/stages/test_resume.py: a resume that lost state would show
+# the moving setup of tests/stages/test_resume.py, with a critic (gae) whose state must travel too:
+# a resume that lost state would show
 MOVING = ["stage=ppo", "debug=smoke", "ppo.iterations=4", "ppo.lr=0.05", "ppo.warmup_steps=0",
-          "ppo.entropy_coef=1.0"]
+          "ppo.entropy_coef=1.0", "ppo.advantage_estimator=gae"]
 COMPARED = ("rollout/accuracy", "ppo/policy_loss", "ppo/kl_ref", "value/loss")
 HEARTBEAT_TIMEOUT_S = 5
 

@@ -69,6 +69,44 @@ def test_stopped_then_relaunched_run_equals_an_uninterrupted_one(tmp_path):
     assert "stopped" not in json.loads((resumed / "stage_result.json").read_text())["summary"]
 
 
+# the oracle scorer (no PRM to train) with label noise: every iteration flips some step scores
+NOISY = ["arm=prm", "reward=prm_oracle", "reward.label_noise=0.2", "seed=7"]
+NOISE_COMPARED = ("prm/flipped_fraction", "prm/score_mean", "reward/total_mean")
+
+
+def test_resumed_run_flips_the_steps_the_uninterrupted_run_flips(tmp_path, monkeypatch):
+    from prmppo.rewards.prm import ProcessReward
+
+    built_with_seeds, init = [], ProcessReward.__init__
+
+    def recording_init(self, *args, seed: int = 0, **kwargs):
+        built_with_seeds.append(seed)
+        init(self, *args, seed=seed, **kwargs)
+
+    monkeypatch.setattr(ProcessReward, "__init__", recording_init)
+
+    def cfg(run_dir: Path, *extra: str):
+        return compose_config(["debug=smoke", f"artifacts_dir={tmp_path / 'artifacts'}", *MOVING, *NOISY, *extra],
+                              run_dir=run_dir)
+
+    reference = tmp_path / "reference"
+    run(cfg(reference))
+    resumed = tmp_path / "resumed"
+    with pytest.raises(StopRequested):  # stopped after iteration 0, as above
+        run(cfg(resumed, "max_wall_seconds=1e-6"))
+    assert latest_checkpoint(resumed).name == "it000001"
+    run(cfg(resumed))
+    rows, expected = _ppo_rows(resumed), _ppo_rows(reference)
+    assert [r["step"] for r in rows] == [r["step"] for r in expected] == [0, 1, 2, 3]
+    assert all(0 < r["prm/flipped_fraction"] < 1 for r in expected), "no noise drawn: the test would prove nothing"
+    # A relaunch that restarted the noise generator would flip, at iteration 1, the draws of iteration 0.
+    # Same tolerance as above: the flips are exact, the scores and rewards are sums of floats.
+    for got, want in zip(rows, expected):
+        for key in NOISE_COMPARED:
+            assert got[key] == pytest.approx(want[key], abs=1e-6), (got["step"], key)
+    assert set(built_with_seeds) == {7}  # the runner seeds every reward it builds with the run's seed
+
+
 def test_sigterm_stops_with_exit_code_3_and_a_resumable_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "prmppo", "stage=ppo", "debug=smoke", "ppo.iterations=200",

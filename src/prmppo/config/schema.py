@@ -207,46 +207,59 @@ class TopologyConfig:
 
 @dataclass
 class PPOConfig:
-    iterations: int = 100
+    iterations: int = 200
+    # rollout shape: responses per iteration = prompts_per_iteration * n_samples_per_prompt
     prompts_per_iteration: int = 32
     n_samples_per_prompt: int = 4
     # rows (responses) per optimizer step; must divide prompts_per_iteration * n_samples_per_prompt
     minibatch_rows: int = 64
-    # rows per forward/backward pass; must divide minibatch_rows
+    # rows per forward/backward pass (gradient accumulation); must divide minibatch_rows
     micro_batch_rows: int = 32
     ppo_epochs: int = 1
+    # tokens
     max_new_tokens: int = 64
     temperature: float = 1.0
     top_p: float = 1.0
+    # policy learning rate: the peak of warmup-cosine over policy optimizer steps
     lr: float = 1e-4
+    # critic learning rate (gae only); the critic learns normalised returns (models/policy.py ValueHead)
     value_lr: float = 1e-3
+    # policy optimizer steps of linear warmup
     warmup_steps: int = 2
     # final LR as a fraction of `lr`, in [0, 1]
     min_lr_ratio: float = 0.1
-    # max global gradient norm
+    # max gradient norm, applied to the policy's and the critic's gradients separately
     grad_clip: float = 1.0
     gamma: float = 1.0
+    # GAE lambdas (gae only): advantages use lam_actor, value targets use lam_critic
     lam_actor: float = 1.0
     lam_critic: float = 1.0
-    # gae (the critic's values) | rloo | grpo (baselines from the other samples of the prompt;
-    # the critic still trains and logs explained variance)
-    advantage_estimator: str = "gae"
+    # gae (a critic with decoupled-lambda GAE) | rloo | grpo (critic-free: each reward term compared
+    # step with step against the prompt's other samples, ppo/maths.py group_baseline_advantages).
+    # rloo: exact per-prompt baseline for both arms; for an outcome-only reward it is plain RLOO
+    advantage_estimator: str = "rloo"
+    # gae: centre and scale the batch's advantages; rloo/grpo: scale only (they are centred per prompt)
     whiten_advantages: bool = True
+    # ratio clipped to [1 - clip_low, 1 + clip_high]
     clip_low: float = 0.2
     clip_high: float = 0.2
     # dual-clip constant (> 1) or null for none
     clip_c: Optional[float] = None
-    # value clip range around the old value, or null for none
+    # value clip range around the old value, in normalised return units, or null for none
     value_clip: Optional[float] = 0.2
     vf_coef: float = 0.5
     entropy_coef: float = 0.0
     # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
     loss_agg: str = "token_mean"
+    # KL to the reference in the reward: -kl_coef * kl_estimator per token (0 turns it off)
     kl_coef: float = 0.01
     # k1 | k2 | k3
     kl_estimator: str = "k1"
-    # reward | loss
-    kl_placement: str = "reward"
+    # KL to the reference as a loss term: kl_loss_coef * kl_loss_estimator, aggregated like the
+    # policy loss (0 turns it off); k2 | k3 (k1's gradient is zero in expectation)
+    kl_loss_coef: float = 0.0
+    kl_loss_estimator: str = "k3"
+    # iterations at the start that train only the critic (gae only)
     value_warmup_iterations: int = 0
     # value head reads hidden states without backpropagating into the backbone
     detach_value_hidden: bool = True
@@ -256,7 +269,8 @@ class PPOConfig:
     # minibatch, where the policy is unchanged (dimensionless; fp32 noise is ~1e-6); > 0
     max_first_ratio_dev: float = 1e-3
     # max mean |engine - trainer| logprob per response token, in nats (fp32 noise is ~1e-6;
-    # a skipped sync after one update is ~1e-2 and more); > 0
+    # a skipped sync after one update is ~1e-2 and more); > 0. The limit in force is the larger
+    # of this and 3x the gap measured at launch with identical weights (banner.json gates.engine_gap)
     max_engine_logprob_gap: float = 1e-2
     # abort when more optimizer steps than this in a row have a non-finite gradient; >= 1
     max_consecutive_skipped_steps: int = 3

@@ -17,12 +17,13 @@ from urllib.parse import urlparse
 from omegaconf import DictConfig, OmegaConf
 
 from prmppo.errors import PrmppoError
+from prmppo.ppo.maths import GROUP_ESTIMATORS
+
+ADVANTAGE_ESTIMATORS = ("gae", *GROUP_ESTIMATORS)
 
 STAGES = ("sft", "prm", "band", "ppo", "eval", "pipeline")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-KL_PLACEMENTS = ("reward", "loss")
 LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-ADVANTAGE_ESTIMATORS = ("gae", "rloo", "grpo")
 SYNC_MODES = ("checkpoint", "adapter")
 ENGINES = ("hf", "vllm")
 TRANSFORMS = ("plain", "centered", "log", "clip", "delta", "min_form")
@@ -87,12 +88,21 @@ def _check_ppo(problems: list[str], ppo: DictConfig) -> None:
         problems.append(f"ppo.max_skipped_fraction={ppo.max_skipped_fraction} must be in [0, 1] (a fraction of the "
                         "run's planned optimizer steps)")
     _choice(problems, "ppo.kl_estimator", ppo.kl_estimator, KL_ESTIMATORS)
-    _choice(problems, "ppo.kl_placement", ppo.kl_placement, KL_PLACEMENTS)
+    _choice(problems, "ppo.kl_loss_estimator", ppo.kl_loss_estimator, KL_ESTIMATORS)
+    if ppo.kl_loss_coef < 0:
+        problems.append(f"ppo.kl_loss_coef={ppo.kl_loss_coef} must be >= 0")
+    if ppo.kl_loss_coef > 0 and ppo.kl_loss_estimator == "k1":
+        problems.append("ppo.kl_loss_estimator=k1 with ppo.kl_loss_coef > 0: the gradient of k1 = log(pi/pi_ref) "
+                        "on samples from pi is zero in expectation, so the KL loss would do nothing; use k2 or k3 "
+                        "(or ppo.kl_coef for a k1 KL in the reward)")
     _choice(problems, "ppo.loss_agg", ppo.loss_agg, LOSS_AGGS)
     _choice(problems, "ppo.advantage_estimator", ppo.advantage_estimator, ADVANTAGE_ESTIMATORS)
     if ppo.advantage_estimator != "gae" and ppo.n_samples_per_prompt < 2:
         problems.append(f"ppo.advantage_estimator={ppo.advantage_estimator} needs ppo.n_samples_per_prompt >= 2 "
                         f"(the baseline comes from the prompt's other samples), got {ppo.n_samples_per_prompt}")
+    if ppo.advantage_estimator != "gae" and ppo.value_warmup_iterations > 0:
+        problems.append(f"ppo.value_warmup_iterations={ppo.value_warmup_iterations} warms up a critic, but "
+                        f"ppo.advantage_estimator={ppo.advantage_estimator} uses none; set it to 0 or use gae")
 
 
 def _check_task(problems: list[str], task: DictConfig) -> None:
@@ -250,21 +260,31 @@ def _check_wandb(problems: list[str], logger: DictConfig) -> None:
                         "`wandb sync`")
 
 
+CRITIC_KEYS = ("value_lr", "vf_coef", "value_clip", "lam_actor", "lam_critic", "detach_value_hidden")
+
+
 def inert_keys(cfg: DictConfig) -> list[str]:
     """Keys this run's code never reads under its own config, so a sweep over them repeats the same run.
 
     `reward.eta` is only the `clip` transform's threshold (every other transform, and the ORM arm,
-    ignores it); `reward.min_form_temperature` only matters for `min_form`. Recorded in
-    `stage_result.json`, warned about when swept, and used by `prmppo.report` so that such a key
-    does not split a group.
+    ignores it); `reward.min_form_temperature` only matters for `min_form`; the critic's keys only
+    for `ppo.advantage_estimator=gae` (rloo / grpo build no critic); a KL estimator only when its
+    coefficient is above 0. Recorded in `stage_result.json`, warned about when swept, and used by
+    `prmppo.report` so that such a key does not split a group.
     """
-    reward = cfg.reward
+    reward, ppo = cfg.reward, cfg.ppo
     transform = reward.transform if "transform" in reward else None
     inert = []
     if transform != "clip":
         inert.append("reward.eta")
     if transform is not None and transform != "min_form":
         inert.append("reward.min_form_temperature")
+    if ppo.advantage_estimator != "gae":
+        inert += [f"ppo.{key}" for key in CRITIC_KEYS]
+    if ppo.kl_coef == 0:
+        inert.append("ppo.kl_estimator")
+    if ppo.kl_loss_coef == 0:
+        inert.append("ppo.kl_loss_estimator")
     return inert
 
 

@@ -7,6 +7,8 @@ Run by `stages/ppo.py::train_ppo` in cost order, after config validation (`confi
   3. `check_rollout_engine`  the interpreter of `rollout.python` can run the engine (for vLLM: it
                          imports vllm and serves the model's attention head size);
   4. `derive_eos`        config.json, generation_config.json and the tokenizer agree on EOS.
+Once the policy is built (and its PRM loaded), `check_reference` compares the KL reference's logits
+with the base model's on a probe batch (`reference_probe`, taken before the policy wraps the model).
 (Horizon consistency, the last gate, is `ppo.loop.check_horizon`, run when the trainer is built.)
 Each gate returns what it derived, recorded under `"gates"` in `banner.json`, or raises
 `GateError` with a sentence that names the values and what would be valid.
@@ -222,3 +224,65 @@ def check_trainable_modules(modules_to_save: list[str], architecture: dict | Non
                         f"called; its top-level norms: {norms or 'none'}; use lora.modules_to_save=[] to train "
                         f"the LoRA factors only")
     return {"modules_to_save": list(modules_to_save), "checked": True}
+
+
+# Largest |reference - base| logit difference accepted, relative to the largest |base logit| (at
+# least 1). The same weights through the same kernels agree to rounding, usually exactly; the room
+# is for kernel nondeterminism: float32 1e-5 (~100 units in the last place), 16-bit 2 units in the
+# last place (2**-7 bfloat16, 2**-10 float16). A PRM adapter left on in the reference shifts logits
+# by ~0.1-1 (0.73 on the test's tiny model), far above all three.
+REFERENCE_REL_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}
+
+
+def reference_probe(model, tokenizer, prompts: list[str]) -> dict:
+    """The probe batch for `check_reference` and the base model's logits on it: call with the freshly
+    loaded model, before the policy wraps it. Returns `check_reference`'s keyword arguments."""
+    from prmppo.rollout.hf_engine import left_pad
+
+    if not prompts:
+        raise GateError("reference check: no probe prompts; pass one or more formatted task prompts")
+    parameter = next(model.parameters())
+    rows = [tokenizer(prompt)["input_ids"] for prompt in prompts]
+    input_ids, attention_mask, position_ids = left_pad(rows, tokenizer.pad_token_id, parameter.device)  # [R, L]
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       use_cache=False).logits  # [R, L, V]
+    return {"probe_input_ids": input_ids, "probe_attention_mask": attention_mask, "probe_position_ids": position_ids,
+            "base_logits": logits.float().cpu(), "dtype": parameter.dtype}
+
+
+def _adapter_names(model) -> list[str]:
+    """Names of the peft adapters injected into `model`'s layers (on or off)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return sorted({name for module in model.modules() if isinstance(module, BaseTunerLayer)
+                   for attribute in module.adapter_layer_names for name in getattr(module, attribute).keys()})
+
+
+def check_reference(policy, probe_input_ids, probe_attention_mask, probe_position_ids, base_logits,
+                    dtype: torch.dtype) -> dict:
+    """The policy's KL reference must be the base model it was built on: its logits on the probe batch
+    equal `base_logits` (the base's, from `reference_probe`) at every real token, within
+    `REFERENCE_REL_TOLERANCE[dtype]` times the largest |base logit| (at least 1). Run after the step
+    scorer is attached, so a PRM adapter loaded onto the reference's weights is covered.
+    Returns the largest difference, the tolerance and the probe's shape, for `banner.json`."""
+    if dtype not in REFERENCE_REL_TOLERANCE:
+        raise GateError(f"reference check: model dtype {dtype} has no tolerance; valid: "
+                        f"{', '.join(str(d) for d in REFERENCE_REL_TOLERANCE)}")
+    reference = policy.reference_logits(probe_input_ids, probe_attention_mask, probe_position_ids)  # [R, L, V]
+    real = probe_attention_mask.bool().cpu()  # [R, L]: pad positions are masked, their logits mean nothing
+    base = base_logits.float().cpu()[real]  # [N, V]
+    diff = (reference.float().cpu()[real] - base).abs().max().item()
+    tolerance = REFERENCE_REL_TOLERANCE[dtype] * max(1.0, base.abs().max().item())
+    found = {"max_abs_logit_diff": diff, "tolerance": tolerance, "dtype": str(dtype).removeprefix("torch."),
+             "probe_rows": int(real.shape[0]), "probe_tokens": int(real.sum())}
+    if not diff <= tolerance:  # NaN fails too
+        adapters = _adapter_names(policy.prm_host)
+        raise GateError(
+            f"reference check: the KL reference's logits differ from the base model's by up to {diff:.4g} (tolerance "
+            f"{tolerance:.3g} for {found['dtype']}) on {found['probe_rows']} probe prompts, so the KL penalty would "
+            f"pull the policy toward another model than the SFT checkpoint. Likely cause: a peft adapter left on in "
+            f"the reference (adapters on the reference's weights: {adapters or 'none'}; a PRM adapter must be "
+            f"switched off by {type(policy).__name__}.reference_logits), or a reference weight changed in place "
+            f"since the base was loaded (a peft merge, or an optimizer that holds the reference's parameters)")
+    return found

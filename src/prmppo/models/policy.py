@@ -3,9 +3,12 @@
 `lora=adapter` -> `LoraPolicy`: a peft LoRA adapter named `policy` on the base model. The
 reference policy is the same model with adapters disabled, so no second copy of the weights
 exists; a later `prm` adapter lives on the same base. `lora=none` -> `FullPolicy`: every base
-weight trains and a frozen deep copy is the reference.
+weight trains and a frozen deep copy is the reference; the `prm` adapter joins that copy (the
+trained weights keep moving), so the reference runs it with every adapter switched off
+(`adapters_off`). Either way the reference's logits are the SFT base's, whatever PRM is loaded:
+`guards.gates.check_reference` verifies this at build time.
 
-Both expose the same surface to the PPO loop: `forward` (logits + values), `reference_logits`,
+Both expose the same surface to the PPO loop: `forward` (logits + values; None without a critic), `reference_logits`,
 `policy_parameters`, `value_parameters`, `save_merged` (an HF-layout directory of the current
 policy, for the checkpoint sync and for evaluation) and `save_adapter` (the adapter sync).
 Both start equal to the base: LoRA's B matrices are zero at init (initialised from a seeded
@@ -15,6 +18,7 @@ generator), so the first rollout's ratio to the reference is exactly 1.
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -23,45 +27,118 @@ from torch import nn
 POLICY_ADAPTER = "policy"
 
 
-class ValueHead(nn.Module):
-    """A linear value estimate per token from the policy's last hidden state."""
+@contextmanager
+def adapters_off(model: nn.Module):
+    """Run `model` as its base: every peft adapter layer injected into it (e.g. a PRM's, added by
+    `PeftModel.from_pretrained`, which keeps no handle here) switched off. Restores each layer's
+    on/off state and every parameter's requires_grad flag afterwards (peft's `enable_adapters`
+    marks the active adapter trainable again). A model without adapter layers runs unchanged."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
 
-    def __init__(self, hidden_size: int, detach_hidden: bool):
+    layers = [m for m in model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
+    was_off = [layer.disable_adapters for layer in layers]
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for layer, off in zip(layers, was_off):
+            layer.enable_adapters(not off)
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+class ValueHead(nn.Module):
+    """A linear value estimate per token from the policy's last hidden state, in return units.
+
+    The linear layer predicts a *normalised* return z; the value is mean + std * z with running
+    return statistics (`update_return_stats`). Returns on these tasks sit anywhere in about
+    [0, 5] (step scores plus the outcome) while Adam moves a weight by about the learning rate
+    per step, so an unnormalised head spends most of a run walking its bias to the mean return.
+    Statistics change the way PopArt does (van Hasselt et al. 2016, "Learning values across many
+    orders of magnitude"): the layer is rescaled so every prediction stays what it was.
+    """
+
+    def __init__(self, hidden_size: int, detach_hidden: bool, stats_decay: float = 0.9):
         super().__init__()
         self.detach_hidden = detach_hidden
+        self.stats_decay = stats_decay
         self.linear = nn.Linear(hidden_size, 1)
-        nn.init.zeros_(self.linear.weight)  # values start at 0: no bias in the first advantages
+        nn.init.zeros_(self.linear.weight)  # values start at the mean return: no bias in the first advantages
         nn.init.zeros_(self.linear.bias)
+        self.register_buffer("return_mean", torch.zeros(()))
+        self.register_buffer("return_second_moment", torch.ones(()))
+        self.register_buffer("stats_updates", torch.zeros((), dtype=torch.long))
+
+    @property
+    def return_std(self) -> torch.Tensor:
+        variance = self.return_second_moment - self.return_mean.square()
+        return variance.clamp(min=1e-4).sqrt()  # floor 1e-2: constant returns must not divide by ~0
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, L, H] -> [B, L]
         if self.detach_hidden:
             hidden = hidden.detach()  # the critic must not move the policy's features
-        return self.linear(hidden.float()).squeeze(-1)
+        z = self.linear(hidden.float()).squeeze(-1)
+        return self.return_mean + self.return_std * z
+
+    def normalise(self, values: torch.Tensor) -> torch.Tensor:
+        """Values or returns in the head's normalised units (where the value loss is taken)."""
+        return (values - self.return_mean) / self.return_std
+
+    @torch.no_grad()
+    def update_return_stats(self, returns: torch.Tensor, mask: torch.Tensor) -> None:
+        """Fold a batch's returns (masked tokens) into the running statistics; predictions are unchanged."""
+        keep = mask.bool()
+        if not keep.any():
+            return
+        batch = returns[keep].float()
+        first = int(self.stats_updates) == 0
+        decay = 0.0 if first else self.stats_decay  # the first batch sets the statistics outright
+        old_mean, old_std = self.return_mean.clone(), self.return_std.clone()
+        self.return_mean.mul_(decay).add_((1 - decay) * batch.mean())
+        self.return_second_moment.mul_(decay).add_((1 - decay) * batch.square().mean())
+        self.stats_updates.add_(1)
+        if first:  # nothing learned yet: a head still at zero now predicts the mean return
+            return
+        new_std = self.return_std
+        self.linear.weight.mul_(old_std / new_std)
+        self.linear.bias.copy_((old_std * self.linear.bias + old_mean - self.return_mean) / new_std)
+
+
+def _value_head(base_model: nn.Module, detach_hidden: bool, critic: bool) -> "ValueHead | None":
+    """The critic, on the base model's device; None when the advantage estimator uses no critic."""
+    if not critic:
+        return None
+    return ValueHead(base_model.config.hidden_size, detach_hidden).to(next(base_model.parameters()).device)
 
 
 class _PolicyBase:
     model: nn.Module
-    value_head: ValueHead
+    value_head: "ValueHead | None"  # None when the advantage estimator uses no critic (critic=False)
 
     def forward(self, input_ids, attention_mask, position_ids) -> tuple[torch.Tensor, torch.Tensor]:
         """Policy logits [B, L, V] and values [B, L]."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          output_hidden_states=True, use_cache=False)
-        return out.logits, self.value_head(out.hidden_states[-1])
+        values = None if self.value_head is None else self.value_head(out.hidden_states[-1])
+        return out.logits, values
 
     def value_parameters(self) -> list[nn.Parameter]:
-        return list(self.value_head.parameters())
+        return [] if self.value_head is None else list(self.value_head.parameters())
 
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)
-        self.value_head.train(mode)
+        if self.value_head is not None:
+            self.value_head.train(mode)
 
 
 class LoraPolicy(_PolicyBase):
     """`policy` LoRA adapter on the resident base; reference = base with adapters off."""
 
-    def __init__(self, base_model: nn.Module, detach_value_hidden: bool, r: int = 8, alpha: int = 16,
-                 dropout: float = 0.0, target_modules: list[str] | None = None, init_seed: int = 0,
+    def __init__(self, base_model: nn.Module, detach_value_hidden: bool, critic: bool, r: int = 8,
+                 alpha: int = 16, dropout: float = 0.0, target_modules: list[str] | None = None, init_seed: int = 0,
                  modules_to_save: list[str] | None = None, modules_to_save_lr: float | None = None):
         from peft import LoraConfig, get_peft_model
 
@@ -81,8 +158,7 @@ class LoraPolicy(_PolicyBase):
             torch.manual_seed(init_seed)
             self.model = get_peft_model(base_model, config, adapter_name=POLICY_ADAPTER)
         self.modules_to_save_lr = modules_to_save_lr
-        device = next(base_model.parameters()).device
-        self.value_head = ValueHead(base_model.config.hidden_size, detach_value_hidden).to(device)
+        self.value_head = _value_head(base_model, detach_value_hidden, critic)
 
     def policy_parameters(self) -> list[nn.Parameter]:
         return [p for name, p in self.model.named_parameters() if p.requires_grad and f".{POLICY_ADAPTER}." in name]
@@ -146,13 +222,12 @@ class LoraPolicy(_PolicyBase):
 
 
 class FullPolicy(_PolicyBase):
-    """Full fine-tuning; a frozen deep copy of the starting model is the reference."""
+    """Full fine-tuning; a frozen deep copy of the starting model is the reference (adapters off)."""
 
-    def __init__(self, base_model: nn.Module, detach_value_hidden: bool):
+    def __init__(self, base_model: nn.Module, detach_value_hidden: bool, critic: bool):
         self.model = base_model
         self.reference = copy.deepcopy(base_model).eval().requires_grad_(False)
-        device = next(base_model.parameters()).device
-        self.value_head = ValueHead(base_model.config.hidden_size, detach_value_hidden).to(device)
+        self.value_head = _value_head(base_model, detach_value_hidden, critic)
 
     def policy_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -162,13 +237,17 @@ class FullPolicy(_PolicyBase):
 
     @property
     def prm_host(self) -> nn.Module:
-        """The model a PRM adapter joins: the frozen reference (the trained weights keep moving)."""
+        """The model a PRM adapter joins: the frozen copy (the trained weights keep moving), which
+        `reference_logits` runs with that adapter off."""
         return self.reference
 
     @torch.no_grad()
     def reference_logits(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
-        return self.reference(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              use_cache=False).logits
+        # the PRM's LoRA layers sit inside the copy and are on (its active adapter) between scorings;
+        # left on, they would make the KL reference base + PRM adapter instead of the SFT base
+        with adapters_off(self.reference):
+            return self.reference(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  use_cache=False).logits
 
     def save_merged(self, out_dir: Path, tokenizer) -> Path:
         self.model.save_pretrained(out_dir)

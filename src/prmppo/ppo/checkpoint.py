@@ -2,9 +2,12 @@
 
 A checkpoint holds everything a relaunch needs to continue as if never stopped:
   adapter/ or model.safetensors   the trainable weights (peft adapter save, or the full model)
-  value_head.safetensors          the critic
-  optim.pt                        both AdamW state dicts and the LR scheduler's state dict
+  value_head.safetensors          the critic (gae only: rloo / grpo build none)
+  optim.pt                        the AdamW state dicts, the fp32 master weights of parameters trained in
+                                  half precision (`ppo/optim.py`) and the LR scheduler's state dict
   rng.pt                          torch CPU (and CUDA) generator states
+  reward.pt                       the reward's own random state (`trainer.reward.state_dict()`: the PRM
+                                  reward's label-noise generator; empty for the outcome reward)
   checkpoint.json                 counters; written LAST, so its presence marks a complete checkpoint
 
 Everything is written under `it<NNNNNN>.partial` and renamed, so a kill during the write leaves
@@ -27,7 +30,7 @@ from prmppo.errors import PrmppoError
 from prmppo.logger import write_json_atomic
 
 MARKER = "checkpoint.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: fp32 master weights in optim.pt, the critic optional
 
 
 class CheckpointError(PrmppoError):
@@ -80,15 +83,18 @@ def save_checkpoint(checkpoints_dir: Path, next_iteration: int, policy, trainer,
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     _save_weights(tmp, policy)
-    save_file({k: v.detach().cpu().contiguous() for k, v in policy.value_head.state_dict().items()},
-              str(tmp / "value_head.safetensors"))
+    if policy.value_head is not None:
+        save_file({k: v.detach().cpu().contiguous() for k, v in policy.value_head.state_dict().items()},
+                  str(tmp / "value_head.safetensors"))
     torch.save({"policy_optimizer": trainer.policy_optimizer.state_dict(),
-                "value_optimizer": trainer.value_optimizer.state_dict(),
+                "value_optimizer": None if trainer.value_optimizer is None else trainer.value_optimizer.state_dict(),
+                "master_weights": trainer.masters.state_dict(),
                 "scheduler": trainer.scheduler.state_dict()}, tmp / "optim.pt")
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     torch.save(rng, tmp / "rng.pt")
+    torch.save(trainer.reward.state_dict(), tmp / "reward.pt")
     budget = trainer.skip_budget
     write_json_atomic(tmp / MARKER, {
         "format": FORMAT_VERSION, "next_iteration": next_iteration,
@@ -140,6 +146,9 @@ def _read_marker(ckpt_dir: Path) -> dict:
         meta = json.loads(marker.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise CheckpointError(f"{marker} is unreadable ({err}): not a complete checkpoint") from err
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{marker} is checkpoint format {meta.get('format')}, this prmppo reads format "
+                              f"{FORMAT_VERSION}: resume it with the prmppo that wrote it, or use a new run dir")
     for name, size in meta["files"].items():
         path = Path(ckpt_dir) / name
         if not path.is_file() or path.stat().st_size != size:
@@ -155,7 +164,8 @@ def read_meta(ckpt_dir: Path) -> dict:
 
 
 def load_checkpoint(ckpt_dir: Path, policy, trainer) -> int:
-    """Restore weights, value head, optimizers, scheduler, counters and RNG; returns the next iteration."""
+    """Restore weights, value head, optimizers, scheduler, counters, RNG and the reward's state; returns the
+    next iteration."""
     ckpt_dir = Path(ckpt_dir)
     meta = _read_marker(ckpt_dir)
     if meta["planned_policy_steps"] != trainer.shape.policy_steps:
@@ -163,21 +173,44 @@ def load_checkpoint(ckpt_dir: Path, policy, trainer) -> int:
             f"{ckpt_dir} was written by a run of {meta['planned_policy_steps']} planned policy optimizer steps; "
             f"this config plans {trainer.shape.policy_steps}: resume with the same ppo settings or use a new run dir")
     _load_weights(ckpt_dir, policy)
-    policy.value_head.load_state_dict(load_file(str(ckpt_dir / "value_head.safetensors"),
-                                                device=str(next(policy.value_head.parameters()).device)))
+    critic_file = ckpt_dir / "value_head.safetensors"
+    if (policy.value_head is not None) != critic_file.is_file():
+        raise CheckpointError(f"{ckpt_dir} {'has' if critic_file.is_file() else 'has no'} critic, this run "
+                              f"{'has' if policy.value_head is not None else 'has none'}: resume with the "
+                              "ppo.advantage_estimator it was written with, or use a new run dir")
+    if policy.value_head is not None:
+        policy.value_head.load_state_dict(load_file(str(critic_file),
+                                                    device=str(next(policy.value_head.parameters()).device)))
     optim = torch.load(ckpt_dir / "optim.pt", weights_only=True, map_location="cpu")
+    trainer.masters.load_state_dict(optim["master_weights"])  # before the optimizer: its params are the masters
     trainer.policy_optimizer.load_state_dict(optim["policy_optimizer"])  # moves state to the params' device
-    trainer.value_optimizer.load_state_dict(optim["value_optimizer"])
+    if trainer.value_optimizer is not None:
+        trainer.value_optimizer.load_state_dict(optim["value_optimizer"])
     trainer.scheduler.load_state_dict(optim["scheduler"])
     rng = torch.load(ckpt_dir / "rng.pt", weights_only=True)
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
+    _load_reward_state(ckpt_dir, trainer.reward)
     trainer.policy_steps_taken = meta["policy_steps_taken"]
     trainer.skipped_steps = meta["skipped_steps"]
     for key, value in meta["skip_budget"].items():
         setattr(trainer.skip_budget, key, value)
     return int(meta["next_iteration"])
+
+
+def _load_reward_state(ckpt_dir: Path, reward) -> None:
+    """Restore the reward's random state. A checkpoint from before `reward.pt` existed resumes only a
+    reward with no state (no label noise); otherwise its flips would differ from the uninterrupted run's."""
+    path = ckpt_dir / "reward.pt"
+    state = torch.load(path, weights_only=True) if path.is_file() else {}
+    try:
+        reward.load_state_dict(state)
+    except ValueError as err:
+        fix = ("the checkpoint predates reward.pt, so a resume would flip other steps than the uninterrupted "
+               "run: start a new run dir" if not path.is_file() else
+               "resume with the reward settings it was written with, or start a new run dir")
+        raise CheckpointError(f"{ckpt_dir} cannot restore this run's reward ({err}): {fix}") from err
 
 
 def checkpoint_every(iterations: int, sync_every_iterations: int) -> int:

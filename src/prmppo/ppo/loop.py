@@ -1,25 +1,31 @@
-"""The PPO loop, identical for both arms: the reward object fills `rewards [B, T]`, nothing else differs.
+"""The PPO loop, identical for both arms: the reward object fills its terms, nothing else differs.
 
 One iteration (`PPOTrainer.iteration`) reads like the algorithm:
   1. sample   prompts_per_iteration x n_samples_per_prompt responses from the rollout worker,
               with the weights it was last synced to;
-  2. score    outcome verifier + the arm's reward object -> rewards [B, T];
-  3. assemble policy / reference logprobs and values with no grad; KL into the reward;
-  4. advantages: GAE with decoupled lambdas (lam_actor for advantages, lam_critic for targets),
-              or a group baseline (rloo / grpo) from the prompt's other samples;
+  2. score    outcome verifier + the arm's reward object -> reward terms [B, T] (rewards/terms.py);
+  3. assemble policy / reference logprobs and values with no grad; the in-reward KL;
+  4. advantages: GAE with decoupled lambdas (lam_actor for advantages, lam_critic for targets;
+              rows cut at max_new_tokens bootstrap from the value at the cut), or a group
+              baseline (rloo / grpo) that compares each reward term step with step against the
+              prompt's other samples; the in-reward KL stays out of the group statistics;
   5. update   ppo_epochs over minibatches of micro-batches, clipped losses, one policy and one
-              value optimizer step per minibatch (only the critic during value warmup);
+              value optimizer step per minibatch (only the critic during value warmup); the two
+              gradients are clipped and checked for finiteness separately;
   6. sync     ship the new weights to the engine every `sync_every_iterations`; log.
 
-Written for N ranks: loss denominators are explicit minibatch token counts, so gradient
-accumulation over micro-batches (and, later, ranks) gives the exact minibatch mean; only this
-process talks to the rollout worker. Simplifications: one rank, one device.
+The critic exists only for `advantage_estimator=gae`. Old logprobs and the update both run with
+dropout off, so the first minibatch's ratio is exactly 1 whatever `lora.dropout` says. Written
+for N ranks: loss denominators are explicit minibatch token counts, so gradient accumulation over
+micro-batches (and, later, ranks) gives the exact minibatch mean; only this process talks to the
+rollout worker. Simplifications: one rank, one device.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,9 +36,12 @@ from prmppo.guards.tripwires import SkipBudget
 from prmppo.logger.console import progress
 from prmppo.ppo import maths
 from prmppo.ppo.batch import RolloutBatch, TrainBatch, collate, pad_floats
+from prmppo.ppo.optim import MasterWeights
 from prmppo.ppo.sync import WeightSync
 from prmppo.rewards.kl import kl_estimate
 from prmppo.rollout.protocol import RolloutRequest
+
+ADAM_BETAS = (0.9, 0.95)
 
 
 @dataclass(frozen=True)
@@ -57,13 +66,35 @@ class HorizonError(PrmppoError, ValueError):
     """The LR schedule would not end where the policy's optimizer steps end."""
 
 
-def check_horizon(scheduler_steps: int, shape: Shape, ppo) -> None:
-    if scheduler_steps != shape.policy_steps:
+def count_policy_steps(ppo) -> int:
+    """The policy optimizer steps the update loop will take, counted the way it iterates: every
+    iteration past the value warmup, every epoch, one step per `minibatch_rows` slice of the rows."""
+    rows = ppo.prompts_per_iteration * ppo.n_samples_per_prompt
+    slices = len(range(0, rows, ppo.minibatch_rows))  # what `perm.split(minibatch_rows)` yields
+    return sum(slices for it in range(ppo.iterations) if it >= ppo.value_warmup_iterations
+               for _ in range(ppo.ppo_epochs))
+
+
+def check_horizon(scheduler_steps: int, loop_steps: int, ppo) -> None:
+    """The scheduler's horizon (from `Shape`) must equal the loop's own count of policy steps."""
+    if scheduler_steps != loop_steps:
         raise HorizonError(
-            f"the LR schedule spans {scheduler_steps} steps but the run takes {shape.policy_steps} policy "
-            f"optimizer steps = (ppo.iterations {ppo.iterations} - ppo.value_warmup_iterations "
-            f"{ppo.value_warmup_iterations}) * ppo.ppo_epochs {ppo.ppo_epochs} * minibatches per epoch "
-            f"{shape.minibatches_per_epoch}")
+            f"the LR schedule spans {scheduler_steps} steps but the update loop takes {loop_steps} policy "
+            f"optimizer steps (ppo.iterations {ppo.iterations}, ppo.value_warmup_iterations "
+            f"{ppo.value_warmup_iterations}, ppo.ppo_epochs {ppo.ppo_epochs}, ppo.minibatch_rows "
+            f"{ppo.minibatch_rows} of {ppo.prompts_per_iteration * ppo.n_samples_per_prompt} rows)")
+
+
+@contextmanager
+def _timer(times: dict, key: str):
+    start = time.time()
+    yield
+    times[key] = time.time() - start
+
+
+# losses summed over the micro-batches of a minibatch (each is a share of the minibatch's loss);
+# every other statistic is a per-micro-batch mean
+_ADDITIVE = ("ppo/policy_loss", "ppo/entropy", "ppo/kl_loss", "value/loss")
 
 
 class PPOTrainer:
@@ -75,14 +106,19 @@ class PPOTrainer:
         self.policy, self.tokenizer, self.task, self.reward = policy, tokenizer, task, reward
         self.engine, self.sync, self.ppo, self.logger = engine, sync, ppo, logger
         self.device, self.seed = device, seed
+        self.uses_critic = ppo.advantage_estimator == "gae"
+        if self.uses_critic != (policy.value_head is not None):
+            raise ValueError(f"ppo.advantage_estimator={ppo.advantage_estimator} "
+                             f"{'needs' if self.uses_critic else 'must not have'} a value head on the policy")
         self.shape = Shape.derive(ppo)
-        self.policy_optimizer = torch.optim.AdamW(policy.policy_param_groups(ppo.lr), lr=ppo.lr, betas=(0.9, 0.95),
-                                                  weight_decay=0.0)
-        self.value_optimizer = torch.optim.AdamW(policy.value_parameters(), lr=ppo.value_lr, weight_decay=0.0)
+        self.masters = MasterWeights(policy.policy_param_groups(ppo.lr))
+        self.policy_optimizer = torch.optim.AdamW(self.masters.groups, lr=ppo.lr, betas=ADAM_BETAS, weight_decay=0.0)
+        self.value_optimizer = (torch.optim.AdamW(policy.value_parameters(), lr=ppo.value_lr, betas=ADAM_BETAS,
+                                                  weight_decay=0.0) if self.uses_critic else None)
         self.scheduler = maths.make_scheduler(self.policy_optimizer, self.shape.policy_steps,
                                               min(ppo.warmup_steps, max(self.shape.policy_steps - 1, 0)),
                                               ppo.min_lr_ratio)
-        check_horizon(self.shape.policy_steps, self.shape, ppo)
+        check_horizon(self.shape.policy_steps, count_policy_steps(ppo), ppo)
         self.policy_steps_taken = 0
         self.skipped_steps = 0
         self.skip_budget = SkipBudget(ppo.max_consecutive_skipped_steps, ppo.max_skipped_fraction,
@@ -91,18 +127,20 @@ class PPOTrainer:
         self.order = torch.randperm(len(self.prompts), generator=torch.Generator().manual_seed(seed))
 
     # ------------------------------------------------------------------ 1. sample
-    def sample(self, iteration: int) -> RolloutBatch:
+    def sample(self, iteration: int, prompts: list | None = None, n_samples: int | None = None,
+               request_id: str | None = None) -> RolloutBatch:
+        """This iteration's prompts (or `prompts`) sampled by the engine with the served weights."""
         ppo, tok = self.ppo, self.tokenizer
         start = iteration * ppo.prompts_per_iteration
-        picked = [self.prompts[int(self.order[(start + i) % len(self.prompts)])]
-                  for i in range(ppo.prompts_per_iteration)]
+        picked = prompts if prompts is not None else [self.prompts[int(self.order[(start + i) % len(self.prompts)])]
+                                                      for i in range(ppo.prompts_per_iteration)]
+        n = n_samples or ppo.n_samples_per_prompt
         prompt_ids = [tok(self.task.format_prompt(p))["input_ids"] for p in picked]
         result = self.engine.generate(RolloutRequest(
-            request_id=f"it{iteration:06d}", weights=self.sync.served, prompt_token_ids=prompt_ids,
-            n_samples_per_prompt=ppo.n_samples_per_prompt, max_new_tokens=ppo.max_new_tokens,
+            request_id=request_id or f"it{iteration:06d}", weights=self.sync.served, prompt_token_ids=prompt_ids,
+            n_samples_per_prompt=n, max_new_tokens=ppo.max_new_tokens,
             temperature=ppo.temperature, top_p=ppo.top_p, seed=self.seed * 1_000_003 + iteration,
             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
-        n = ppo.n_samples_per_prompt
         problems = [p for p in picked for _ in range(n)]
         rows_prompt = [ids for ids in prompt_ids for _ in range(n)]
         input_ids, attention, positions, response_ids, response_mask, plen = collate(
@@ -113,45 +151,73 @@ class PPOTrainer:
                             response_ids, response_mask, pad_floats(result.logprobs, response_ids.shape[1]),
                             outcome, plen)
 
+    def engine_gap_at_identical_weights(self, n_prompts: int = 8) -> float:
+        """Mean |engine - trainer| logprob per response token while both hold the same weights: the
+        noise floor of this run's dtype and kernels, measured on a few train prompts."""
+        batch = self.sample(0, prompts=self.prompts[:n_prompts], n_samples=1, request_id="engine-gap-probe")
+        old_lp, _, _, _ = self._forward_no_grad(batch)
+        return float(maths.masked_mean((batch.engine_logprobs.to(self.device) - old_lp).abs(),
+                                       batch.response_mask.to(self.device)))
+
     # ------------------------------------------------------------------ 3. assemble (+ 4. advantages)
     def _response_logprobs(self, logits: torch.Tensor, response_ids: torch.Tensor, prompt_length: int
                            ) -> torch.Tensor:
         width = response_ids.shape[1]
-        scaled = logits[:, prompt_length - 1:prompt_length - 1 + width] / self.ppo.temperature  # [b, T, V]
+        # upcast before the temperature, as the engines do: bf16 logits / T round differently
+        scaled = logits[:, prompt_length - 1:prompt_length - 1 + width].float() / self.ppo.temperature  # [b, T, V]
         return maths.logprobs_from_logits(scaled, response_ids)  # [b, T]
 
     @torch.no_grad()
-    def assemble(self, batch: RolloutBatch, rewards: torch.Tensor) -> tuple[TrainBatch, dict]:
-        ppo, dev = self.ppo, self.device
-        old_lp, ref_lp, values = [], [], []
+    def _forward_no_grad(self, batch: RolloutBatch):
+        """(old logprobs, reference logprobs, values, value after each row's last token), all [B, T] / [B]."""
+        dev, plen, width = self.device, batch.prompt_length, batch.response_ids.shape[1]
+        old_lp, ref_lp, values, after = [], [], [], []
         self.policy.train(False)
-        for rows in torch.arange(len(batch)).split(ppo.micro_batch_rows):
+        for rows in torch.arange(len(batch)).split(self.ppo.micro_batch_rows):
             ids, att, pos = (t[rows].to(dev) for t in (batch.input_ids, batch.attention_mask, batch.position_ids))
             response_ids = batch.response_ids[rows].to(dev)
             logits, vals = self.policy.forward(ids, att, pos)
-            old_lp.append(self._response_logprobs(logits, response_ids, batch.prompt_length))
-            ref_lp.append(self._response_logprobs(self.policy.reference_logits(ids, att, pos), response_ids,
-                                                  batch.prompt_length))
-            plen, width = batch.prompt_length, batch.response_ids.shape[1]
-            values.append(vals[:, plen - 1:plen - 1 + width])
+            old_lp.append(self._response_logprobs(logits, response_ids, plen))
+            ref_lp.append(self._response_logprobs(self.policy.reference_logits(ids, att, pos), response_ids, plen))
+            if vals is not None:
+                values.append(vals[:, plen - 1:plen - 1 + width])  # V(s_t): the state before response token t
+                lengths = batch.response_mask[rows].sum(-1).long().to(dev)  # [b]
+                after.append(vals.gather(1, (plen - 1 + lengths)[:, None]).squeeze(1))  # V after the last token
+        cat = lambda xs: torch.cat(xs) if xs else None  # noqa: E731
+        return torch.cat(old_lp), torch.cat(ref_lp), cat(values), cat(after)
+
+    @torch.no_grad()
+    def assemble(self, batch: RolloutBatch, rewards) -> tuple[TrainBatch, dict]:
+        ppo, dev = self.ppo, self.device
+        old_lp, ref_lp, values, after = self._forward_no_grad(batch)
         mask = batch.response_mask.to(dev)
-        old_lp, ref_lp = torch.cat(old_lp), torch.cat(ref_lp)  # [B, T]
-        values = torch.cat(values) * mask  # [B, T]
         kl = kl_estimate(old_lp, ref_lp, ppo.kl_estimator) * mask  # [B, T]
-        rewards = rewards.to(dev)
-        if ppo.kl_placement == "reward":
-            rewards = rewards - ppo.kl_coef * kl
-        advantages, returns = maths.decoupled_gae(rewards, values, mask, ppo.gamma, ppo.lam_actor, ppo.lam_critic)
-        if ppo.advantage_estimator != "gae":
-            advantages = maths.group_baseline_advantages(rewards, mask, ppo.n_samples_per_prompt, ppo.gamma,
-                                                         ppo.advantage_estimator)
-        if ppo.whiten_advantages:
-            advantages = maths.masked_whiten(advantages, mask)
-        gap = maths.masked_mean((batch.engine_logprobs.to(dev) - old_lp).abs(), mask)
+        kl_rewards = -ppo.kl_coef * kl  # [B, T] the in-reward KL, its own term
+        total = rewards.total.to(dev) + kl_rewards  # [B, T]
         metrics = {"ppo/kl_ref": float(maths.masked_sum(kl, mask) / mask.shape[0]),
-                   "rollout/engine_logprob_abs_diff": float(gap),
-                   "value/mean": float(maths.masked_mean(values, mask)),
-                   "value/explained_variance": maths.explained_variance(values, returns, mask)}
+                   "rollout/engine_logprob_abs_diff":
+                       float(maths.masked_mean((batch.engine_logprobs.to(dev) - old_lp).abs(), mask))}
+        if self.uses_critic:
+            values = values * mask  # [B, T]
+            truncated = torch.tensor([r == "length" for r in batch.finish_reasons], device=dev)  # [B]
+            bootstrap = torch.where(truncated, after, torch.zeros_like(after))  # [B]
+            advantages, returns = maths.decoupled_gae(total, values, mask, ppo.gamma, ppo.lam_actor, ppo.lam_critic,
+                                                      bootstrap)
+            metrics.update({"value/mean": float(maths.masked_mean(values, mask)),
+                            "value/explained_variance": maths.explained_variance(values, returns, mask)})
+            self.policy.value_head.update_return_stats(returns, mask)  # predictions unchanged (PopArt)
+        else:
+            values = returns = torch.zeros_like(mask)
+            terms = [(term.values.to(dev), term.events.to(dev)) for term in rewards.terms.values()]
+            advantages = maths.group_baseline_advantages(terms, mask, ppo.n_samples_per_prompt, ppo.gamma,
+                                                         ppo.advantage_estimator)
+            advantages = advantages + maths.returns_to_go(kl_rewards, mask, ppo.gamma)  # KL outside the groups
+        if ppo.whiten_advantages:
+            # GAE: centre and scale; a group baseline has centred each prompt already, so only scale
+            # (a shift would push every sample of an all-solved prompt the same way)
+            advantages = (maths.masked_whiten(advantages, mask) if self.uses_critic
+                          else maths.masked_rescale(advantages, mask))
+        metrics.update(advantage_by_quarter(advantages, mask, batch.outcome.to(dev)))
         train = TrainBatch(batch.input_ids.to(dev), batch.attention_mask.to(dev), batch.position_ids.to(dev),
                            batch.response_ids.to(dev), mask, old_lp, ref_lp, values, advantages, returns,
                            batch.prompt_length)
@@ -162,12 +228,14 @@ class PPOTrainer:
         ppo = self.ppo
         logits, values = self.policy.forward(mb.input_ids, mb.attention_mask, mb.position_ids)
         plen, width = mb.prompt_length, mb.response_ids.shape[1]
-        values = values[:, plen - 1:plen - 1 + width]
-        counts = dict(global_token_count=tokens, global_seq_count=seqs,
-                      norm_length=float(ppo.max_new_tokens))
-        v_loss, v_clip = maths.value_loss(values, mb.old_values, mb.returns, mb.response_mask, ppo.value_clip,
-                                          ppo.loss_agg, **counts)
-        loss, stats = ppo.vf_coef * v_loss, {"value/loss": v_loss.detach(), "value/clip_fraction": v_clip}
+        counts = dict(global_token_count=tokens, global_seq_count=seqs, norm_length=float(ppo.max_new_tokens))
+        loss, stats = 0.0, {}
+        if self.uses_critic:
+            head = self.policy.value_head  # the loss in normalised return units (ValueHead)
+            v_loss, v_clip = maths.value_loss(head.normalise(values[:, plen - 1:plen - 1 + width]),
+                                              head.normalise(mb.old_values), head.normalise(mb.returns),
+                                              mb.response_mask, ppo.value_clip, ppo.loss_agg, **counts)
+            loss, stats = ppo.vf_coef * v_loss, {"value/loss": v_loss.detach(), "value/clip_fraction": v_clip}
         if train_policy:
             logprobs = self._response_logprobs(logits, mb.response_ids, mb.prompt_length)
             p_loss, pstats = maths.policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
@@ -175,9 +243,11 @@ class PPOTrainer:
             entropy = maths.entropy_from_logits(logits[:, plen - 1:plen - 1 + width].float() / ppo.temperature)
             ent = maths.aggregate(entropy, mb.response_mask, ppo.loss_agg, **counts)
             loss = loss + p_loss - ppo.entropy_coef * ent
-            if ppo.kl_placement == "loss":
-                kl = kl_estimate(logprobs, mb.ref_logprobs, ppo.kl_estimator)
-                loss = loss + ppo.kl_coef * maths.aggregate(kl, mb.response_mask, ppo.loss_agg, **counts)
+            if ppo.kl_loss_coef > 0:
+                kl = maths.aggregate(kl_estimate(logprobs, mb.ref_logprobs, ppo.kl_loss_estimator), mb.response_mask,
+                                     ppo.loss_agg, **counts)
+                loss = loss + ppo.kl_loss_coef * kl
+                stats["ppo/kl_loss"] = kl.detach()
             stats.update({"ppo/policy_loss": p_loss.detach(), "ppo/entropy": ent.detach(),
                           **{f"ppo/{k}": v for k, v in pstats._asdict().items()}})
         return loss, stats
@@ -186,10 +256,9 @@ class PPOTrainer:
         ppo, shape = self.ppo, self.shape
         train_policy = iteration >= ppo.value_warmup_iterations
         generator = torch.Generator().manual_seed(self.seed * 7919 + iteration)
-        self.policy.train(True)
+        self.policy.train(False)  # dropout off, as when the old logprobs were taken: ratio 1 before any step
         sums: dict[str, float] = {}
-        count = 0
-        self._grad_norms: list[float] = []
+        micro_count, steps = 0, []
         first_ratio = None
         bar = progress(total=ppo.ppo_epochs * shape.minibatches_per_epoch, desc="update", unit="step",
                        enabled=self.show_progress, leave=False)
@@ -207,63 +276,99 @@ class PPOTrainer:
                         first_ratio = (float(stats["ppo/ratio_min"]), float(stats["ppo/ratio_max"]))
                     for key, value in stats.items():
                         sums[key] = sums.get(key, 0.0) + float(value)
-                    count += 1
-                self._grad_norms.append(self._step(train_policy))
+                    micro_count += 1
+                steps.append(self._step(train_policy))
                 bar.update()
         bar.close()
-        self.policy.train(False)
-        metrics = {key: value / max(count, 1) for key, value in sums.items()}
-        metrics["ppo/grad_norm"] = sum(self._grad_norms) / max(len(self._grad_norms), 1)
+        metrics = {key: value / (len(steps) if key in _ADDITIVE else max(micro_count, 1))
+                   for key, value in sums.items()}
+        for key in ("ppo/policy_grad_norm", "value/grad_norm", "ppo/lr"):
+            ran = [step[key] for step in steps if key in step]
+            if ran:
+                metrics[key] = sum(ran) / len(ran)
+        metrics.update({key: value for key, value in steps[-1].items() if key.startswith("ppo/lr_group")})
         if first_ratio is not None:
             metrics["ppo/first_minibatch_ratio_dev"] = max(abs(first_ratio[0] - 1), abs(first_ratio[1] - 1))
-        metrics["ppo/lr"] = self.scheduler.get_last_lr()[0]
         return metrics
 
-    def _step(self, train_policy: bool) -> float:
-        """Clip, then step the optimizers unless the gradient is non-finite; returns the norm."""
-        params = self.policy.value_parameters() + (self.policy.policy_parameters() if train_policy else [])
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.ppo.grad_clip)
-        finite = math.isfinite(float(grad_norm))
-        if not finite:
-            self.skipped_steps += 1  # a non-finite gradient must never reach the weights
-        else:
-            self.value_optimizer.step()
-            if train_policy:
-                self.policy_optimizer.step()
+    def _step(self, train_policy: bool) -> dict:
+        """Clip and check each gradient on its own, step what is finite; returns the pre-clip norms and
+        the learning rate each policy group stepped with."""
+        out: dict[str, float] = {}
+        skipped = False
+        if self.uses_critic:
+            value_norm = float(torch.nn.utils.clip_grad_norm_(self.policy.value_parameters(), self.ppo.grad_clip))
+            out["value/grad_norm"] = value_norm
+            if math.isfinite(value_norm):
+                self.value_optimizer.step()
+            else:
+                skipped = True  # a non-finite gradient must never reach the weights
         if train_policy:
+            self.masters.grads_to_masters()
+            policy_norm = float(torch.nn.utils.clip_grad_norm_(self.masters.parameters(), self.ppo.grad_clip))
+            out["ppo/policy_grad_norm"] = policy_norm
+            for i, group in enumerate(self.policy_optimizer.param_groups):
+                out["ppo/lr" if i == 0 else f"ppo/lr_group{i}"] = group["lr"]
+            if math.isfinite(policy_norm):
+                self.policy_optimizer.step()
+                self.masters.masters_to_model()
+            else:
+                skipped = True
             self.scheduler.step()
             self.policy_steps_taken += 1
+        self.skipped_steps += skipped
         self.policy_optimizer.zero_grad(set_to_none=True)
-        self.value_optimizer.zero_grad(set_to_none=True)
-        self.skip_budget.record(skipped=not finite)  # raises TrainingAborted past a limit
-        return float(grad_norm)
+        for p in self.policy.policy_parameters():
+            p.grad = None
+        if self.value_optimizer is not None:
+            self.value_optimizer.zero_grad(set_to_none=True)
+        self.skip_budget.record(skipped=skipped)  # raises TrainingAborted past a limit
+        return out
 
     # ------------------------------------------------------------------ one iteration
     def iteration(self, iteration: int) -> dict:
-        t0 = time.time()
-        batch = self.sample(iteration)  # 1
-        t1 = time.time()
-        rewards, reward_metrics = self.reward(batch)  # 2
-        t2 = time.time()
-        train, assemble_metrics = self.assemble(batch, rewards)  # 3, 4
-        t3 = time.time()
-        update_metrics = self.update(train, iteration)  # 5
-        t4 = time.time()
-        synced = self.sync.maybe_sync(self.policy, iteration)  # 6
-        t5 = time.time()
+        times: dict[str, float] = {}
+        with _timer(times, "perf/generate_s"):
+            batch = self.sample(iteration)  # 1
+        with _timer(times, "perf/score_s"):
+            rewards, reward_metrics = self.reward(batch)  # 2
+        with _timer(times, "perf/assemble_s"):
+            train, assemble_metrics = self.assemble(batch, rewards)  # 3, 4
+        with _timer(times, "perf/update_s"):
+            update_metrics = self.update(train, iteration)  # 5
+        with _timer(times, "perf/sync_s"):
+            synced = self.sync.maybe_sync(self.policy, iteration)  # 6
         lengths = batch.response_mask.sum(-1)
-        tokens = float(lengths.sum())
-        return {"rollout/accuracy": float(batch.outcome.mean()), "reward/total_mean": float(rewards.sum(-1).mean()),
+        return {"rollout/accuracy": float(batch.outcome.mean()),
+                "reward/total_mean": float(rewards.total.sum(-1).mean()),
                 "rollout/response_length": float(lengths.mean()),
                 "rollout/truncated_fraction": sum(r == "length" for r in batch.finish_reasons) / len(batch),
-                **reward_metrics, **assemble_metrics, **update_metrics,
-                "perf/generate_s": t1 - t0, "perf/score_s": t2 - t1, "perf/assemble_s": t3 - t2,
-                "perf/update_s": t4 - t3, "perf/sync_s": t5 - t4, "perf/synced": float(synced),
-                "perf/rollout_tokens_per_s": tokens / max(t1 - t0, 1e-9),
-                "perf/iteration_s": t5 - t0}
+                **reward_metrics, **assemble_metrics, **update_metrics, **times, "perf/synced": float(synced),
+                "perf/rollout_tokens_per_s": float(lengths.sum()) / max(times["perf/generate_s"], 1e-9),
+                "perf/iteration_s": sum(times.values())}
+
+
+def advantage_by_quarter(advantages: torch.Tensor, mask: torch.Tensor, outcome: torch.Tensor) -> dict:
+    """Mean advantage of right (and of wrong) responses in each quarter of their own length:
+    `adv/right_q1` .. `adv/right_q4`, `adv/wrong_q1` .. `adv/wrong_q4` (absent when no such row).
+    A right response whose late tokens get negative advantage is being credited by position."""
+    lengths = mask.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
+    position = torch.arange(mask.shape[1], device=mask.device)[None, :]  # [1, T]
+    quarter = (position * 4 // lengths).clamp(max=3)  # [B, T] 0..3 within each row
+    out = {}
+    for name, rows in (("right", outcome > 0.5), ("wrong", outcome <= 0.5)):
+        if not rows.any():
+            continue
+        for q in range(4):
+            where = mask.bool() & rows[:, None] & (quarter == q)
+            if where.any():
+                out[f"adv/{name}_q{q + 1}"] = float(advantages[where].mean())
+    return out
 
 
 def save_value_head(policy, path: Path) -> None:
     from safetensors.torch import save_file
 
+    if policy.value_head is None:
+        return  # no critic under a group baseline
     save_file({k: v.detach().cpu().contiguous() for k, v in policy.value_head.state_dict().items()}, str(path))

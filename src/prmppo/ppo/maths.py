@@ -93,17 +93,25 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
     return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
 
 
+def masked_rescale(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """x / sqrt(var + eps), var over masked entries; padding is 0. No shift: a zero stays zero."""
+    scaled = x * torch.rsqrt(masked_var(x, mask) + eps)
+    return torch.where(mask.bool(), scaled, torch.zeros_like(scaled))
+
+
 # ---------------------------------------------------------------------------------------------
 # advantages
 
 
-def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
-        ) -> tuple[Tensor, Tensor]:
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float,
+        bootstrap: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016) on right-padded rows.
 
-    delta_t = r_t + gamma * V_{t+1} - V_t, with V = 0 after the last real token of each row
-    (the episode ends there); A_t = delta_t + gamma * lam * A_{t+1}. Returns
-    (advantages, returns = advantages + values), both [B, T] and 0 on padding.
+    delta_t = r_t + gamma * V_{t+1} - V_t, with V after the last real token of a row equal to
+    `bootstrap[b]` (0 when omitted: the episode ended there, e.g. at EOS; a row cut at the length
+    limit passes the value of the state at the cut, so the critic's estimate of what the response
+    would have earned stands in for the missing tail); A_t = delta_t + gamma * lam * A_{t+1}.
+    Returns (advantages, returns = advantages + values), both [B, T] and 0 on padding.
     The loop runs backwards over T (short) and is vectorised over B.
     """
     _check_same_shape(rewards=rewards, values=values, mask=mask)
@@ -115,21 +123,31 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
     r = torch.where(keep, rewards.to(values.dtype), zero)  # [B, T]
     v = torch.where(keep, values, zero)  # [B, T]
     batch, horizon = v.shape
+    if bootstrap is not None and tuple(bootstrap.shape) != (batch,):
+        raise ValueError(f"bootstrap shape {tuple(bootstrap.shape)} must be [B] = ({batch},)")
+    # the value after each row's last real token: `bootstrap` there, 0 on padding
+    last = torch.zeros_like(keep)  # [B, T]
+    lengths = keep.sum(-1)  # [B]
+    has_tokens = lengths > 0
+    last[has_tokens, lengths[has_tokens] - 1] = True
+    tail = zero if bootstrap is None else bootstrap.to(values.dtype)[:, None]
+    next_values = torch.where(last, tail, torch.roll(v, -1, dims=1) * torch.roll(m, -1, dims=1))  # [B, T]
+    next_values[:, -1] = torch.where(last[:, -1], next_values[:, -1], zero)
     advantages = torch.zeros_like(v)  # [B, T]
-    next_value = torch.zeros(batch, dtype=v.dtype, device=v.device)  # [B]
-    next_advantage = torch.zeros_like(next_value)  # [B]
+    next_advantage = torch.zeros(batch, dtype=v.dtype, device=v.device)  # [B]
     for t in reversed(range(horizon)):
-        # next_value / next_advantage are already 0 past a row's last real token (masked below).
-        delta = r[:, t] + gamma * next_value - v[:, t]  # [B]
+        # next_advantage is 0 past a row's last real token (masked below).
+        delta = r[:, t] + gamma * next_values[:, t] - v[:, t]  # [B]
         advantage = (delta + gamma * lam * next_advantage) * m[:, t]  # [B]
         advantages[:, t] = advantage
-        next_value, next_advantage = v[:, t], advantage
+        next_advantage = advantage
     returns = (advantages + v) * m  # [B, T]
     return advantages, returns
 
 
 def decoupled_gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
-                  lam_actor: float, lam_critic: float) -> tuple[Tensor, Tensor]:
+                  lam_actor: float, lam_critic: float, bootstrap: Tensor | None = None
+                  ) -> tuple[Tensor, Tensor]:
     """GAE with separate lambdas for the policy and the critic; returns (advantages, value_targets).
 
     VC-PPO (Yuan et al. 2025, "What's Behind PPO's Collapse in Long-CoT? Value Optimization
@@ -137,43 +155,76 @@ def decoupled_gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
     the critic does not learn its own bias back over long responses, while a smaller lam_actor
     keeps the policy's advantages low-variance.
     """
-    advantages, _ = gae(rewards, values, mask, gamma, lam_actor)
-    _, value_targets = gae(rewards, values, mask, gamma, lam_critic)
+    advantages, _ = gae(rewards, values, mask, gamma, lam_actor, bootstrap)
+    _, value_targets = gae(rewards, values, mask, gamma, lam_critic, bootstrap)
     return advantages, value_targets
 
 
-def group_baseline_advantages(rewards: Tensor, mask: Tensor, group_size: int, gamma: float, mode: str
-                              ) -> Tensor:
+def returns_to_go(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """G_t = sum_{s >= t} gamma^(s - t) r_s within each row; [B, T], 0 on padding."""
+    rewards = rewards if rewards.is_floating_point() else rewards.float()
+    return gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)[0]
+
+
+GROUP_ESTIMATORS = ("rloo", "grpo")
+
+
+def group_baseline_advantages(terms, mask: Tensor, group_size: int, gamma: float, mode: str) -> Tensor:
     """Critic-free advantages from the other samples of the same prompt; [B, T], 0 on padding.
 
-    Rows are prompt-major: rows [g * group_size, (g + 1) * group_size) answer prompt g. Each
-    token's return-to-go G_t = sum_{s >= t} gamma^(s - t) r_s keeps step-level credit; the
-    baseline comes from the group's whole-response returns R_j = G_0 of row j:
+    `terms` is a sequence of reward terms `(values [B, T], events [B, T] bool)`: the reward each
+    term pays and the tokens where it can pay (a PRM's step ends; the outcome's last token). Rows
+    are prompt-major: rows [g * group_size, (g + 1) * group_size) answer prompt g. Each term's
+    rewards are compared like with like, *before* the return-to-go is taken, so that a step
+    reward is judged against the other samples' step rewards and never against a whole-response
+    total (which would credit position, not quality). For row i of a group, term rewards r_ik:
 
-      rloo  A_t = G_t - mean_{j != i} R_j                      (Ahmadian et al. 2024, RLOO)
-      grpo  A_t = (G_t - mean_j R_j) / (std_j R_j + 1e-6)      (Shao et al. 2024, GRPO)
+      rloo  r~_ik = r_ik - mean_{j != i} mean_k r_jk
+            (per-step leave-one-out, PRIME: Cui et al. 2025, "Process Reinforcement through
+            Implicit Rewards"; with one event per row, the outcome, it is RLOO, Ahmadian et al. 2024)
+      grpo  r~_ik = (r_ik - mean(R)) / (std(R) + 1e-6), R = every event reward of the group
+            (process supervision in DeepSeekMath's GRPO, Shao et al. 2024, section 4.1.3; with one
+            event per row it is outcome GRPO)
 
-    A group whose samples all score the same gives zero advantage (with an outcome-only reward),
-    so a prompt that is always solved, or never, adds no gradient noise (up to the small mean
-    shift of `masked_whiten`, when the loop whitens afterwards).
+    A_t = sum over the term's events s >= t of gamma^(s - t) r~_s, summed over terms. Samples
+    that all score the same get zero advantage at every token, whatever their step rewards.
     """
-    if mode not in ("rloo", "grpo"):
-        raise ValueError(f"mode={mode!r}: valid modes are 'rloo' and 'grpo'")
+    if mode not in GROUP_ESTIMATORS:
+        raise ValueError(f"mode={mode!r}: valid modes are {', '.join(map(repr, GROUP_ESTIMATORS))}")
     if group_size < 2:
         raise ValueError(f"group_size={group_size}: a group baseline needs at least 2 samples per prompt")
-    if rewards.shape[0] % group_size:
-        raise ValueError(f"{rewards.shape[0]} rows are not a whole number of groups of {group_size}")
-    rewards = rewards if rewards.is_floating_point() else rewards.float()
-    returns_to_go, _ = gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)  # [B, T]
-    total = returns_to_go[:, 0].view(-1, group_size)  # [G, n]
-    if mode == "rloo":
-        baseline = (total.sum(-1, keepdim=True) - total) / (group_size - 1)  # [G, n]
-        advantages = returns_to_go - baseline.reshape(-1, 1)
-    else:
-        mean = total.mean(-1, keepdim=True).expand_as(total).reshape(-1, 1)  # [B, 1]
-        std = total.std(-1, keepdim=True).expand_as(total).reshape(-1, 1)  # [B, 1]
-        advantages = (returns_to_go - mean) / (std + 1e-6)
+    if mask.shape[0] % group_size:
+        raise ValueError(f"{mask.shape[0]} rows are not a whole number of groups of {group_size}")
+    advantages = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)  # [B, T]
+    for values, events in terms:
+        _check_same_shape(values=values, events=events, mask=mask)
+        values = values if values.is_floating_point() else values.float()
+        centred = _group_centred(values, events.bool() & mask.bool(), group_size, mode)  # [B, T]
+        advantages = advantages.to(centred.dtype) + returns_to_go(centred, mask, gamma)
     return advantages * mask.to(advantages.dtype)
+
+
+def _group_centred(values: Tensor, events: Tensor, group_size: int, mode: str) -> Tensor:
+    """Each event reward minus its group baseline (and over the group std for grpo); 0 off events."""
+    ev = events.to(values.dtype)  # [B, T]
+    grouped = lambda x: x.reshape(-1, group_size, *x.shape[1:])  # noqa: E731  [G, n, ...]
+    counts = ev.sum(-1)  # [B] events per row
+    sums = (values * ev).sum(-1)  # [B]
+    if mode == "rloo":
+        has = (counts > 0).to(values.dtype)  # [B] rows that have an event of this term
+        row_mean = sums / counts.clamp(min=1)  # [B]
+        others = grouped(row_mean * has).sum(-1, keepdim=True) - grouped(row_mean * has)  # [G, n]
+        n_others = grouped(has).sum(-1, keepdim=True) - grouped(has)  # [G, n]
+        baseline = (others / n_others.clamp(min=1)).reshape(-1, 1)  # [B, 1]
+        centred = values - baseline
+    else:
+        n = grouped(counts).sum(-1)  # [G]
+        mean = grouped(sums).sum(-1) / n.clamp(min=1)  # [G]
+        dev = (values - mean.repeat_interleave(group_size)[:, None]) * ev  # [B, T]
+        var = grouped(dev.square().sum(-1)).sum(-1) / (n - 1).clamp(min=1)  # [G] unbiased, as torch.std
+        std = var.sqrt().repeat_interleave(group_size)[:, None]  # [B, 1]
+        centred = dev / (std + 1e-6)
+    return torch.where(events, centred, torch.zeros_like(centred))
 
 
 # ---------------------------------------------------------------------------------------------

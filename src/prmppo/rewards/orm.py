@@ -1,14 +1,18 @@
 """`reward=orm`: the outcome reward on the last response token (the control arm).
 
-The reward contract shared by every arm: `reward(batch) -> (rewards [B, T], metrics)`, per-token
-rewards aligned with the response tokens of `batch` (zero on padding). The PPO loop adds the
-KL term and runs GAE on this tensor whatever filled it, so it never branches on the arm.
+The reward contract shared by every arm (`rewards/terms.py`): `reward(batch) -> (RewardTerms,
+metrics)`, per-token rewards aligned with the response tokens of `batch` (zero on padding), one
+term per source. Here there is one term, `outcome`.
+Every reward is built with the run's `seed` and has `state_dict()` / `load_state_dict()`: the
+random state a resume needs (empty here), which PPO checkpoints save (`ppo/checkpoint.py`).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from prmppo.rewards.terms import RewardTerm, RewardTerms
 
 
 def last_token_index(response_mask: Tensor) -> Tensor:
@@ -31,9 +35,10 @@ class OutcomeReward:
     """The verifier's outcome reward, weighted by `w_outcome`, on the last response token."""
 
     def __init__(self, correct_reward: float = 1.0, wrong_reward: float = 0.0, w_outcome: float = 1.0,
-                 eta: float = 1.0):
+                 eta: float = 1.0, seed: int = 0):
         # `eta` (the PRM clip threshold) is accepted and ignored: every reward config carries it so
-        # one sweep can cross both arms with `reward.eta=...`
+        # one sweep can cross both arms with `reward.eta=...`. `seed` (the run's, which the runner
+        # passes to every reward) is ignored too: the outcome reward draws no random numbers
         self.correct_reward = correct_reward
         self.wrong_reward = wrong_reward
         self.w_outcome = w_outcome
@@ -42,7 +47,22 @@ class OutcomeReward:
     needs_step_scorer = False
     needs_learned_prm = False
 
-    def __call__(self, batch) -> tuple[Tensor, dict[str, float]]:
-        rewards = self.w_outcome * outcome_rewards(batch.outcome, batch.response_mask, self.correct_reward,
-                                                   self.wrong_reward)  # [B, T]
-        return rewards, {"reward/outcome_mean": float(rewards.sum(-1).mean())}
+    def state_dict(self) -> dict[str, Tensor]:
+        """Nothing to checkpoint (the PRM reward's holds its noise generator; `ppo/checkpoint.py`)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        if state:
+            raise ValueError(f"the reward state holds {sorted(state)} but the outcome reward has none")
+
+    def __call__(self, batch) -> tuple[RewardTerms, dict[str, float]]:
+        term = outcome_term(batch, self.correct_reward, self.wrong_reward, self.w_outcome)
+        return RewardTerms({"outcome": term}), {"reward/outcome_mean": float(term.values.sum(-1).mean())}
+
+
+def outcome_term(batch, correct_reward: float, wrong_reward: float, weight: float) -> RewardTerm:
+    """The weighted outcome reward as a term: it pays at each row's last real token."""
+    values = weight * outcome_rewards(batch.outcome, batch.response_mask, correct_reward, wrong_reward)  # [B, T]
+    events = torch.zeros_like(values, dtype=torch.bool)  # [B, T]
+    events[torch.arange(values.shape[0]), last_token_index(batch.response_mask)] = True
+    return RewardTerm(values, events)

@@ -1,13 +1,16 @@
 """`reward=prm` / `reward=prm_oracle`: step rewards from a PRM on step-end tokens, plus the outcome.
 
-Same contract as `OutcomeReward`: `reward(batch) -> (rewards [B, T], metrics)`, so the PPO loop
+Same contract as `OutcomeReward` (`rewards/terms.py`): `reward(batch) -> (RewardTerms, metrics)`,
+with a `process` term (paid at step ends) and an `outcome` term (the last token), so the PPO loop
 does not know which arm it runs. For a batch of B responses:
 
   1. score      the step scorer gives s [B, T] at step-end tokens (learned PRM or task checker);
   2. noise      with `label_noise = p`, each step score flips s -> 1 - s with probability p
-                (a seeded generator; to study reward hacking under a wrong PRM);
+                (to study reward hacking under a wrong PRM); the flips come from a generator of
+                their own, seeded from the run's `seed`, whose state PPO checkpoints carry;
   3. transform  compact to steps [B, K], apply `transform` (rewards/transforms.py), put back;
-  4. combine    rewards = w_prm * transformed + w_outcome * outcome reward on the last token.
+  4. combine    terms: process = w_prm * transformed at step ends, outcome = w_outcome * outcome
+                reward on the last token (their sum is the per-token reward GAE sees).
 
 Metrics, logged every iteration: `prm/score_mean` (mean step score as used, i.e. after noise),
 `reward/prm_mean` and `reward/outcome_mean` (per-response sums of each term), and hacking
@@ -19,18 +22,25 @@ and `hack/prm_vs_true_step_gap` (mean step score minus true step accuracy).
 
 The step scorer (and the task, for the true-step monitors) are runtime dependencies: the PPO
 runner passes them as instantiate kwargs (`build(cfg.reward, "reward", step_scorer=..., task=...)`)
-or via `attach`. `needs_learned_prm` tells the runner whether a PRM artifact must exist.
+or via `attach`. `needs_learned_prm` tells the runner whether a PRM artifact must exist. The runner
+also passes the run's `seed` (`build(cfg.reward, "reward", seed=cfg.seed)`), from which the noise
+generator's seed is derived (`label_noise_seed`), so two run seeds flip different steps.
+`state_dict()` / `load_state_dict()` hold that generator's state: `ppo/checkpoint.py` saves it, so a
+resumed run flips the steps the uninterrupted run would have flipped.
 
 Tests: `pytest tests/rewards/test_prm_reward.py -q`.
 """
 
 from __future__ import annotations
 
+import random
+
 import torch
 from torch import Tensor
 
-from prmppo.rewards.orm import outcome_rewards
+from prmppo.rewards.orm import outcome_term
 from prmppo.rewards.steps import to_steps, to_tokens
+from prmppo.rewards.terms import RewardTerm, RewardTerms
 from prmppo.rewards.transforms import TRANSFORM_NAMES, apply_transform
 
 SCORER_KINDS = ("learned", "oracle")
@@ -54,7 +64,7 @@ class ProcessReward:
         self.min_form_temperature, self.label_noise, self.scorer = min_form_temperature, label_noise, scorer
         self.correct_reward, self.wrong_reward = correct_reward, wrong_reward
         self.step_scorer, self.task = step_scorer, task
-        self.noise_generator = torch.Generator().manual_seed(seed)
+        self.noise_generator = torch.Generator().manual_seed(label_noise_seed(seed))
 
     needs_step_scorer = True
 
@@ -63,13 +73,27 @@ class ProcessReward:
         """True when step scores come from a trained PRM (the runner must provide its artifact)."""
         return self.scorer == "learned"
 
+    def state_dict(self) -> dict[str, Tensor]:
+        """The noise generator's state, which a resume needs to draw the flips the uninterrupted run would;
+        empty when `label_noise` = 0 (nothing is drawn, so there is no state that matters)."""
+        return {"noise_generator": self.noise_generator.get_state()} if self.label_noise > 0 else {}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Restore what `state_dict` returned; refuse a state that does not fit this `label_noise`."""
+        expected = sorted(self.state_dict())
+        if sorted(state) != expected:
+            raise ValueError(f"the reward state holds {sorted(state)} but reward.label_noise={self.label_noise} "
+                             f"needs {expected}")
+        if state:
+            self.noise_generator.set_state(state["noise_generator"])
+
     def attach(self, step_scorer, task=None) -> "ProcessReward":
         """Give the reward its step scorer (and task) after construction."""
         self.step_scorer = step_scorer
         self.task = task if task is not None else self.task
         return self
 
-    def __call__(self, batch) -> tuple[Tensor, dict[str, float]]:
+    def __call__(self, batch) -> tuple[RewardTerms, dict[str, float]]:
         if self.step_scorer is None:
             raise RuntimeError(
                 f"ProcessReward (reward.scorer={self.scorer}) was called without a step scorer: the runner must pass "
@@ -79,13 +103,13 @@ class ProcessReward:
         steps, flipped = self._noise(steps, step_mask)  # (2)
         shaped = apply_transform(self.transform, steps, step_mask, self.eta, self.min_form_temperature)  # (3)
         process = self.w_prm * to_tokens(shaped, step_mask, ends)  # [B, T]
-        outcome = self.w_outcome * outcome_rewards(batch.outcome, batch.response_mask, self.correct_reward,
-                                                   self.wrong_reward)  # [B, T]
+        outcome = outcome_term(batch, self.correct_reward, self.wrong_reward, self.w_outcome)
         metrics = {"prm/score_mean": _mean(steps[step_mask]), "prm/flipped_fraction": flipped,
                    "reward/prm_mean": float(process.sum(-1).mean()),
-                   "reward/outcome_mean": float(outcome.sum(-1).mean())}
+                   "reward/outcome_mean": float(outcome.values.sum(-1).mean())}
         metrics.update(self._monitors(batch, ends, steps[step_mask]))
-        return process + outcome, metrics  # (4)
+        process_events = ends.bool() & batch.response_mask.bool()  # [B, T]
+        return RewardTerms({"process": RewardTerm(process, process_events), "outcome": outcome}), metrics  # (4)
 
     def _noise(self, steps: Tensor, step_mask: Tensor) -> tuple[Tensor, float]:
         if self.label_noise == 0.0:
@@ -121,6 +145,13 @@ class ProcessReward:
                 return None  # the task has no exact step checker
             labels.extend(row)
         return sum(labels) / len(labels) if labels else 0.0
+
+
+def label_noise_seed(seed: int) -> int:
+    """The noise generator's seed, drawn from the run's `seed` under a name of its own (as the PRM
+    stage's `f"{seed}-prm"`), so it is unrelated to the trainer's generators, whose seeds are `seed`
+    or linear in it (`seed * 7919 + iteration`, `ppo/loop.py`)."""
+    return random.Random(f"{seed}-label-noise").getrandbits(63)
 
 
 def _mean(values: Tensor) -> float:

@@ -112,7 +112,9 @@ def banner(cfg: DictConfig, tokenizer, shape, base_dir: Path, policy, gates: dic
         "shape": {**shape.__dict__, "prompts_per_iteration": cfg.ppo.prompts_per_iteration,
                   "n_samples_per_prompt": cfg.ppo.n_samples_per_prompt, "iterations": cfg.ppo.iterations},
         "reward": OmegaConf.to_container(cfg.reward, resolve=True),
-        "kl": {"coef": cfg.ppo.kl_coef, "estimator": cfg.ppo.kl_estimator, "placement": cfg.ppo.kl_placement},
+        "kl": {"reward_coef": cfg.ppo.kl_coef, "reward_estimator": cfg.ppo.kl_estimator,
+               "loss_coef": cfg.ppo.kl_loss_coef, "loss_estimator": cfg.ppo.kl_loss_estimator},
+        "advantage_estimator": cfg.ppo.advantage_estimator,
         "lora": OmegaConf.to_container(cfg.lora, resolve=True),
         "topology": OmegaConf.to_container(cfg.topology, resolve=True),
         "rollout": {"engine": cfg.rollout.engine, "sync": cfg.rollout.sync,
@@ -142,7 +144,7 @@ def early_gates(cfg: DictConfig, task) -> dict:
                                        topology.colocated),
             "rollout_engine": check_rollout_engine(cfg.rollout.engine, cfg.rollout.python,
                                                    *_model_head_dim(cfg.model)),
-            "step_scorer": check_step_scorer(task, build(cfg.reward, "reward")),
+            "step_scorer": check_step_scorer(task, build(cfg.reward, "reward", seed=cfg.seed)),
             "trainable_modules": check_trainable_modules(list(cfg.lora.get("modules_to_save") or []),
                                                          *_model_architecture(cfg.model))}
 
@@ -158,6 +160,24 @@ def _launch_gates(cfg: DictConfig, base_dir: Path, gates: dict):
     tripwire = RatioTripwire(cfg.ppo.max_first_ratio_dev, cfg.ppo.max_engine_logprob_gap)
     gates["ratio_tripwire"] = tripwire.self_test()
     return tokenizer, tripwire, gates
+
+
+ENGINE_GAP_MARGIN = 3.0  # the stale-sync alarm sits this many times above the measured noise floor
+
+
+def _engine_gap_limit(trainer, ppo):
+    """The ratio tripwire with its engine-gap limit set above this run's noise floor.
+
+    The engine and the trainer compute the same logprobs with different kernels; in fp32 they
+    agree to ~1e-6 nats per token, in bf16 to ~1e-2, i.e. at the configured limit. So the gap is
+    measured once at launch while both hold the same weights, and the alarm fires only beyond
+    max(ppo.max_engine_logprob_gap, ENGINE_GAP_MARGIN x that floor). Returns (tripwire, banner entry)."""
+    from prmppo.guards import RatioTripwire
+
+    floor = trainer.engine_gap_at_identical_weights()
+    limit = max(ppo.max_engine_logprob_gap, ENGINE_GAP_MARGIN * floor)
+    tripwire = RatioTripwire(ppo.max_first_ratio_dev, limit)
+    return tripwire, {"measured_at_identical_weights": floor, "limit": limit, **tripwire.self_test()}
 
 
 def _attach_step_scorer(cfg: DictConfig, reward, task, tokenizer, policy, base_dir: Path, run_dir: Path) -> None:
@@ -351,6 +371,7 @@ def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict)
     the summary (final checkpoint path included). A coordinated stop saves, closes the worker,
     writes `stage_result.json` with `stopped` and raises `StopRequested` (exit code 3)."""
     from prmppo.app import build
+    from prmppo.guards.gates import check_reference, reference_probe
     from prmppo.models.loading import load_model
     from prmppo.ppo.checkpoint import checkpoint_every, latest_checkpoint, read_meta
     from prmppo.ppo.loop import PPOTrainer, save_value_head
@@ -359,11 +380,15 @@ def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict)
 
     tokenizer, tripwire, gates = _launch_gates(cfg, base_dir, gates)
     device = train_device(cfg)
-    reward = build(cfg.reward, "reward")
+    reward = build(cfg.reward, "reward", seed=cfg.seed)  # seeds the label-noise flips: they differ by run seed
     model = load_model(base_dir, cfg.model.dtype, device)
-    policy = build(cfg.lora, "policy", base_model=model, detach_value_hidden=cfg.ppo.detach_value_hidden)
+    # the base's logits on two formatted prompts, before the policy wraps the model: the KL reference must keep them
+    probe = reference_probe(model, tokenizer, [task.format_prompt(p) for p in task.problems("train")[:2]])
+    policy = build(cfg.lora, "policy", base_model=model, detach_value_hidden=cfg.ppo.detach_value_hidden,
+                   critic=cfg.ppo.advantage_estimator == "gae")  # a group baseline needs no critic
     if reward.needs_step_scorer:
         _attach_step_scorer(cfg, reward, task, tokenizer, policy, base_dir, run_dir)
+    gates["reference"] = check_reference(policy, **probe)  # after the PRM loads: it must not move the reference
     ppo = OmegaConf.to_object(cfg.ppo)
     sync = WeightSync(cfg.rollout.sync, cfg.rollout.sync_every_iterations, run_dir / "sync", tokenizer)
     every = checkpoint_every(ppo.iterations, cfg.rollout.sync_every_iterations)
@@ -378,8 +403,9 @@ def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict)
         trainer = PPOTrainer(policy=policy, tokenizer=tokenizer, task=task, reward=reward, engine=engine, sync=sync,
                              ppo=ppo, logger=logger, device=device, seed=cfg.seed, show_progress=cfg.logger.console)
         gates["horizon"] = {"policy_optimizer_steps": trainer.shape.policy_steps}  # checked by PPOTrainer
-        write_json_atomic(run_dir / "banner.json", banner(cfg, tokenizer, trainer.shape, base_dir, policy, gates))
         alarms, pinned = _resume(checkpoint, policy, trainer, sync, canary)
+        tripwire, gates["engine_gap"] = _engine_gap_limit(trainer, cfg.ppo)
+        write_json_atomic(run_dir / "banner.json", banner(cfg, tokenizer, trainer.shape, base_dir, policy, gates))
         stopped = None
         if first == 0 and cfg.eval.every > 0:  # the SFT policy's test accuracy: the curves' starting point
             logger.log(0, test_eval(0), stage="ppo_eval")

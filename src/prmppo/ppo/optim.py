@@ -1,0 +1,63 @@
+"""fp32 master weights for parameters trained in half precision.
+
+AdamW applied directly to a bf16 weight loses most small updates: bf16 keeps 8 bits of mantissa,
+so an update below ~1/256 of the weight rounds away (at lr 1e-5 most of a bf16 weight never
+changes). `MasterWeights` keeps an fp32 copy of every trainable bf16/fp16 parameter; the
+optimizer steps the copies and the model's parameter receives the rounded result. Parameters
+already in fp32 pass through untouched, so on an fp32 model this is a no-op.
+
+    masters = MasterWeights(param_groups)            # build the optimizer on masters.groups
+    loss.backward(); masters.grads_to_masters()      # fp32 grads (clip these)
+    optimizer.step(); masters.masters_to_model()
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class MasterWeights:
+    """fp32 copies of the low-precision parameters of `param_groups` (dicts with "params")."""
+
+    def __init__(self, param_groups: list[dict]):
+        self.pairs: list[tuple[nn.Parameter, torch.Tensor]] = []  # (model parameter, its fp32 master)
+        self.groups: list[dict] = []
+        for group in param_groups:
+            params = []
+            for p in group["params"]:
+                if p.dtype in LOW_PRECISION:
+                    master = nn.Parameter(p.detach().float().clone())
+                    self.pairs.append((p, master))
+                    params.append(master)
+                else:
+                    params.append(p)
+            self.groups.append({**group, "params": params})
+
+    def parameters(self) -> list[torch.Tensor]:
+        """What the optimizer steps (and what to clip): masters and fp32 parameters."""
+        return [p for group in self.groups for p in group["params"]]
+
+    def grads_to_masters(self) -> None:
+        for p, master in self.pairs:
+            master.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+
+    @torch.no_grad()
+    def masters_to_model(self) -> None:
+        for p, master in self.pairs:
+            p.copy_(master)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {str(i): master.detach().cpu() for i, (_, master) in enumerate(self.pairs)}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if len(state) != len(self.pairs):
+            raise ValueError(f"the checkpoint holds {len(state)} fp32 master weights but this policy trains "
+                             f"{len(self.pairs)} half-precision parameters")
+        for i, (p, master) in enumerate(self.pairs):
+            master.copy_(state[str(i)])
+            p.copy_(master)

@@ -1,0 +1,226 @@
+"""PPOTrainer's update on hand-built batches: separate gradient clipping, true logged losses, the LR
+that ran, dropout-consistent ratios, the critic only where it is used, upcast-then-temper logprobs,
+fp32 master weights for half-precision parameters, and the engine-gap limit above the noise floor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from transformers import MistralConfig, MistralForCausalLM
+
+from conftest import compose_config
+from prmppo.models.policy import LoraPolicy
+from prmppo.ppo import maths
+from prmppo.ppo.batch import TrainBatch, collate
+from prmppo.ppo.loop import PPOTrainer
+from prmppo.ppo.optim import MasterWeights
+from prmppo.rewards.orm import OutcomeReward
+from prmppo.stages.ppo import _engine_gap_limit
+
+TARGETS = ["q_proj", "v_proj"]
+
+
+class _Task:
+    def problems(self, split):
+        return list(range(10))
+
+
+def _ppo(*overrides: str):
+    # 2 prompts x 4 samples, one minibatch of 8 rows in two micro-batches of 4
+    return OmegaConf.to_object(compose_config([
+        "debug=smoke", "ppo.iterations=4", "ppo.prompts_per_iteration=2", "ppo.n_samples_per_prompt=4",
+        "ppo.minibatch_rows=8", "ppo.micro_batch_rows=4", "ppo.warmup_steps=2", *overrides]).ppo)
+
+
+def _policy(critic: bool, dropout: float = 0.0, modules_to_save=None, dtype=torch.float32):
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                        tie_word_embeddings=True)
+    model = MistralForCausalLM(cfg).to(dtype)
+    return LoraPolicy(model, detach_value_hidden=True, critic=critic, r=4, alpha=8, dropout=dropout,
+                      target_modules=TARGETS, modules_to_save=modules_to_save, modules_to_save_lr=3e-2)
+
+
+def _trainer(policy, ppo):
+    return PPOTrainer(policy=policy, tokenizer=None, task=_Task(), reward=OutcomeReward(), engine=None, sync=None,
+                      ppo=ppo, logger=None, device=torch.device("cpu"), seed=0)
+
+
+def _batch(trainer, policy, seed: int = 0) -> TrainBatch:
+    """8 random responses of 5-8 tokens after 3-token prompts, with the trainer's own old logprobs."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(4, 30, (3,), generator=g).tolist() for _ in range(8)]
+    responses = [torch.randint(4, 30, (int(n),), generator=g).tolist() for n in torch.randint(5, 9, (8,), generator=g)]
+    ids, att, pos, resp, mask, plen = collate(prompts, responses, pad_token_id=0)
+    policy.train(False)
+    with torch.no_grad():
+        logits, values = policy.forward(ids, att, pos)
+        old = trainer._response_logprobs(logits, resp, plen)
+        ref = trainer._response_logprobs(policy.reference_logits(ids, att, pos), resp, plen)
+    values = torch.zeros_like(mask) if values is None else values[:, plen - 1:plen - 1 + resp.shape[1]] * mask
+    advantages = torch.randn(mask.shape, generator=g) * mask
+    returns = (torch.rand(mask.shape, generator=g) * 4) * mask  # returns of ~0-4, as on the default task
+    return TrainBatch(ids, att, pos, resp, mask, old, ref, values, advantages, returns, plen)
+
+
+def _policy_grads_seen(trainer) -> list[list[torch.Tensor]]:
+    """Spy on the policy optimizer: the gradients it is asked to step with, per step."""
+    seen, step = [], trainer.policy_optimizer.step
+
+    def spy(*args, **kwargs):
+        seen.append([p.grad.clone() for g in trainer.policy_optimizer.param_groups for p in g["params"]
+                     if p.grad is not None])
+        return step(*args, **kwargs)
+
+    trainer.policy_optimizer.step = spy
+    return seen
+
+
+def test_a_hundredfold_value_loss_leaves_the_policy_step_unchanged():
+    # One clip over critic + policy let the critic's (much larger) gradient scale the policy's step.
+    runs = []
+    for vf_coef in (0.5, 50.0):
+        policy = _policy(critic=True)
+        trainer = _trainer(policy, _ppo("ppo.advantage_estimator=gae", f"ppo.vf_coef={vf_coef}"))
+        seen = _policy_grads_seen(trainer)
+        metrics = trainer.update(_batch(trainer, policy), iteration=0)
+        runs.append((seen, metrics))
+    (small, m_small), (big, m_big) = runs
+    assert m_big["value/grad_norm"] > 10 * m_small["value/grad_norm"]  # the critic's gradient did grow
+    assert m_small["ppo/policy_grad_norm"] == m_big["ppo/policy_grad_norm"]
+    for a, b in zip(small[0], big[0]):
+        assert torch.equal(a, b)
+
+
+def test_a_non_finite_critic_gradient_does_not_skip_the_policy_step():
+    policy = _policy(critic=True)
+    trainer = _trainer(policy, _ppo("ppo.advantage_estimator=gae", "ppo.max_skipped_fraction=1"))
+    batch = _batch(trainer, policy)
+    batch.returns[0, 0] = float("inf")  # the value loss, and only it, becomes non-finite
+    seen = _policy_grads_seen(trainer)
+    trainer.update(batch, iteration=0)
+    assert len(seen) == 1 and all(torch.isfinite(g).all() for g in seen[0])
+    assert torch.isfinite(policy.value_head.linear.weight).all()  # the critic's step was skipped
+    assert trainer.skipped_steps == 1
+
+
+def test_logged_losses_are_the_minibatch_losses_not_a_share_of_them():
+    # one minibatch of 8 rows in 2 micro-batches; at the first step the ratio is 1, so the
+    # token-mean policy loss is -mean(advantages over the minibatch's tokens)
+    policy = _policy(critic=False)
+    trainer = _trainer(policy, _ppo("ppo.whiten_advantages=false"))
+    batch = _batch(trainer, policy)
+    metrics = trainer.update(batch, iteration=0)
+    expected = -float(maths.masked_mean(batch.advantages, batch.response_mask))
+    assert metrics["ppo/policy_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_logged_lr_is_the_one_each_group_stepped_with():
+    # warmup over 2 steps: the first step runs at lr / 2; the final norm's group at its own lr / 2
+    policy = _policy(critic=False, modules_to_save=["model.norm"])
+    ppo = _ppo("ppo.lr=1e-3")
+    metrics = _trainer(policy, ppo).update(_batch(_trainer(policy, ppo), policy), iteration=0)
+    assert metrics["ppo/lr"] == pytest.approx(0.5e-3)
+    assert metrics["ppo/lr_group1"] == pytest.approx(0.5 * 3e-2)
+
+
+def test_first_minibatch_ratio_is_one_under_lora_dropout():
+    policy = _policy(critic=False, dropout=0.5)
+    trainer = _trainer(policy, _ppo())
+    metrics = trainer.update(_batch(trainer, policy), iteration=0)
+    assert metrics["ppo/first_minibatch_ratio_dev"] < 1e-6
+
+
+def test_group_estimators_build_and_train_no_critic():
+    policy = _policy(critic=False)
+    trainer = _trainer(policy, _ppo("ppo.advantage_estimator=rloo"))
+    assert policy.value_head is None and trainer.value_optimizer is None
+    metrics = trainer.update(_batch(trainer, policy), iteration=0)
+    assert not [key for key in metrics if key.startswith("value/")]
+    with pytest.raises(ValueError, match="must not have a value head"):
+        _trainer(_policy(critic=True), _ppo("ppo.advantage_estimator=grpo"))
+
+
+def test_group_estimators_report_the_critic_keys_as_inert():
+    from prmppo.config.validate import inert_keys
+
+    rloo = inert_keys(compose_config(["ppo.advantage_estimator=rloo"]))
+    assert {"ppo.value_lr", "ppo.vf_coef", "ppo.lam_actor", "ppo.lam_critic"} <= set(rloo)
+    assert not {"ppo.value_lr", "ppo.lam_actor"} & set(inert_keys(compose_config(["ppo.advantage_estimator=gae"])))
+
+
+def test_logprobs_are_upcast_before_the_temperature():
+    trainer = _trainer(_policy(critic=False), _ppo("ppo.temperature=0.7"))
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(2, 6, 32, generator=g) * 4).to(torch.bfloat16)
+    tokens = torch.randint(0, 32, (2, 5), generator=g)
+    expected = torch.log_softmax(logits[:, :5].float() / 0.7, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    # prompt_length 1: response token t is predicted at position t
+    assert torch.allclose(trainer._response_logprobs(logits, tokens, prompt_length=1), expected, atol=1e-6)
+
+
+def test_master_weights_keep_updates_that_bf16_rounds_away():
+    # AdamW moves a weight by ~lr per step; at 1.0, bf16's spacing is 2^-7 = 0.0078, so 1e-5 steps vanish
+    plain = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    mixed = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    masters = MasterWeights([{"params": [mixed]}])
+    opt_plain = torch.optim.AdamW([plain], lr=1e-4, weight_decay=0.0)
+    opt_mixed = torch.optim.AdamW(masters.groups, lr=1e-4, weight_decay=0.0)
+    for _ in range(100):
+        plain.grad = torch.ones_like(plain)
+        opt_plain.step()
+        mixed.grad = torch.ones_like(mixed)
+        masters.grads_to_masters()
+        opt_mixed.step()
+        masters.masters_to_model()
+    assert torch.equal(plain.detach(), torch.ones_like(plain))  # 100 steps of 1e-4 lost to rounding
+    master = masters.groups[0]["params"][0]
+    assert master.dtype == torch.float32 and float(master[0]) == pytest.approx(1 - 100 * 1e-4, rel=1e-3)
+    assert torch.equal(mixed.detach(), master.detach().to(torch.bfloat16))  # 0.99 in bf16: 0.9883
+
+
+def test_a_bf16_policy_trains_through_fp32_masters():
+    policy = _policy(critic=False, modules_to_save=["model.norm"], dtype=torch.bfloat16)
+    trainer = _trainer(policy, _ppo())
+    trained = [p for p in policy.policy_parameters() if p.dtype == torch.bfloat16]
+    assert trained and len(trainer.masters.pairs) == len(trained)
+    assert all(p.dtype == torch.float32 for g in trainer.policy_optimizer.param_groups for p in g["params"])
+
+
+class _GapTrainer:
+    def __init__(self, gap: float):
+        self.gap = gap
+
+    def engine_gap_at_identical_weights(self) -> float:
+        return self.gap
+
+
+@pytest.mark.parametrize("measured, limit", [(4e-7, 1e-2), (0.0077, 3 * 0.0077)])
+def test_engine_gap_limit_sits_above_the_measured_noise_floor(measured, limit):
+    # fp32 (~4e-7): the configured 1e-2 stands; bf16 on a 0.5B model (0.0077): 3x the floor
+    tripwire, banner = _engine_gap_limit(_GapTrainer(measured), _ppo())
+    assert tripwire.max_logprob_gap == pytest.approx(limit)
+    assert banner["measured_at_identical_weights"] == measured and banner["limit"] == pytest.approx(limit)
+    assert not tripwire.check({"rollout/engine_logprob_abs_diff": measured})
+    assert tripwire.check({"rollout/engine_logprob_abs_diff": 2 * limit})
+
+
+def test_value_head_starts_at_the_mean_return_and_keeps_predictions_when_statistics_move():
+    from prmppo.models.policy import ValueHead
+
+    head = ValueHead(hidden_size=3, detach_hidden=True, stats_decay=0.5)
+    hidden = torch.tensor([[[1.0, 0.0, 2.0], [0.5, -1.0, 0.0]]])  # [1, 2, 3]
+    mask = torch.ones(2, 2)
+    head.update_return_stats(torch.tensor([[1.0, 3.0], [1.0, 3.0]]), mask)  # mean 2, std 1
+    assert torch.allclose(head(hidden), torch.full((1, 2), 2.0))  # zero head: the mean return at once
+    assert torch.allclose(head.normalise(torch.tensor([3.0])), torch.tensor([1.0]))
+    with torch.no_grad():
+        head.linear.weight.copy_(torch.tensor([[0.3, -0.2, 0.1]]))  # as if it had learned something
+    before = head(hidden)
+    head.update_return_stats(torch.tensor([[10.0, 14.0], [10.0, 14.0]]), mask)
+    # decay .5: mean .5 * 2 + .5 * 12 = 7; second moment .5 * 5 + .5 * 148 = 76.5; std sqrt(27.5)
+    assert float(head.return_mean) == pytest.approx(7.0)
+    assert float(head.return_std) == pytest.approx(27.5 ** 0.5)
+    assert torch.allclose(head(hidden), before, atol=1e-5)  # PopArt: the same predictions in new units
