@@ -9,20 +9,26 @@ which some job failed (each job's `stage_result.json` says why; `sweep_result.js
 2 refused (bad config, bad input file, failed launch gate: one line saying why);
 3 stopped (SIGTERM or `max_wall_seconds`: a checkpoint was saved; relaunch the same command with
 the same run dir, `hydra.run.dir=<dir>`, to resume).
+
+It runs from any directory under any install (`pip install .`, a wheel, `pip install -e .`): the
+config ships inside the package, and its relative paths resolve against documented bases, not
+the working directory (see `prmppo.config.paths`). Relative `hydra.run.dir` and `artifacts_dir`
+(`runs/...`, `artifacts`) are outputs, written under the directory you launch from.
 """
 
 import sys
-from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from prmppo.config.paths import conf_dir
 from prmppo.config.schema import register_schemas
 from prmppo.errors import EXIT_REFUSED, EXIT_STOPPED, PrmppoError, StopRequested
 
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+# the packaged config (`prmppo.conf`, built from the repo's conf/), wherever prmppo is installed
+CONF_DIR = str(conf_dir())
 
 register_schemas()
 

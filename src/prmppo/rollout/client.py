@@ -4,9 +4,10 @@
         result = client.generate(RolloutRequest(...))
 
 `start()` clears stale spool files, launches `python -m prmppo.rollout.worker` (output appended
-to `log_path`) with `python` (the trainer's interpreter, or an engine's own environment: prmppo's
-source dir goes on the worker's PYTHONPATH) and waits for the heartbeat to say "ready"; an engine
-that cannot start raises `EngineStartError` with the worker's one-line cause and the log path
+to `log_path`) with `python` (the trainer's interpreter, or an engine's own environment: the
+worker's PYTHONPATH gets a directory holding only a link to this prmppo package, see
+`worker_import_dir`) and waits for the heartbeat to say "ready"; an engine that cannot start
+raises `EngineStartError` with the worker's one-line cause and the log path
 (`probe_engine_python` checks beforehand, in seconds, that an interpreter can run an engine).
 `generate()` writes the request and polls for its result while watching three ways the worker
 can fail: the process exited (error with the exit code, the log's last lines and the log path),
@@ -22,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,25 +47,40 @@ LOG_TAIL_LINES = 30
 POLL_INTERVAL_S = 0.02
 SHUTDOWN_GRACE_S = 5.0
 PROBE_TIMEOUT_S = 180.0
+WORKER_IMPORT_DIR = "worker_pythonpath"  # in the spool: the worker's view of prmppo
 
 
-def package_parent_dir() -> str:
-    """The directory that contains the `prmppo` package (what the worker needs on PYTHONPATH)."""
+def package_dir() -> Path:
+    """The directory of the `prmppo` package the trainer runs (a source tree, or site-packages/prmppo)."""
     package_file = getattr(prmppo, "__file__", None)
-    package_dir = Path(package_file).parent if package_file else Path(next(iter(prmppo.__path__)))
-    return str(package_dir.resolve().parent)
+    return (Path(package_file).parent if package_file else Path(next(iter(prmppo.__path__)))).resolve()
 
 
-def worker_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a worker process: `base` (default: this one) with prmppo first on PYTHONPATH."""
+def worker_import_dir(directory: Path) -> str:
+    """`directory`, made to hold only `prmppo`, a link to the trainer's package: the worker's PYTHONPATH.
+
+    Not the package's parent: under a non-editable install that is the trainer's site-packages,
+    whose torch and transformers would shadow the engine environment's own (vLLM pins its torch).
+    """
+    link, target = directory / "prmppo", package_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    if not (link.is_symlink() and link.resolve() == target):
+        link.unlink(missing_ok=True)
+        link.symlink_to(target, target_is_directory=True)
+    return str(directory)
+
+
+def worker_env(import_dir: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a worker process: `base` (default: this one) with `import_dir` first on PYTHONPATH."""
     env = dict(os.environ if base is None else base)
     existing = env.get("PYTHONPATH", "")
-    env["PYTHONPATH"] = package_parent_dir() + (os.pathsep + existing if existing else "")
+    env["PYTHONPATH"] = import_dir + (os.pathsep + existing if existing else "")
     return env
 
 
 def resolve_python(python: str) -> str:
-    """An interpreter path made absolute against the working directory; "" means this interpreter.
+    """An interpreter path made absolute against the working directory (under `python -m prmppo`, the
+    launch directory: hydra.job.chdir stays false); "" means this interpreter.
 
     Symlinks are kept: a venv's bin/python is a link whose target would lose the venv.
     """
@@ -93,8 +110,10 @@ def probe_engine_python(python: str, packages: tuple[str, ...], timeout_s: float
         "'attention_head_sizes': sizes}))\n"
     )
     try:
-        done = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=timeout_s,
-                              env=worker_env(), stdin=subprocess.DEVNULL)
+        with tempfile.TemporaryDirectory(prefix="prmppo-probe-") as scratch:
+            env = worker_env(worker_import_dir(Path(scratch)))
+            done = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=timeout_s,
+                                  env=env, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         raise ValueError(f"{python} did not import {list(packages)} within {timeout_s:.0f} s") from None
     except OSError as err:
@@ -215,7 +234,7 @@ class RolloutClient:
         with open(self.log_path, "ab") as log_file:  # the child keeps its own copy of the fd
             self._proc = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                env=worker_env(self.env),
+                env=worker_env(worker_import_dir(self.spool.root / WORKER_IMPORT_DIR), self.env),
             )
         self._served = None
         deadline = time.monotonic() + self.startup_timeout_s

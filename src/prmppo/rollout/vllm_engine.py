@@ -4,9 +4,10 @@
     python -m prmppo stage=ppo rollout=vllm model.num_attention_heads=3 model.num_key_value_heads=1
 
 The trainer never imports vLLM: `RolloutClient` starts `python -m prmppo.rollout.worker
---engine vllm` with `rollout.python` (the engine environment's interpreter) and prmppo's source
-dir on PYTHONPATH; the worker and the spool protocol need only the standard library, so prmppo
-is not installed there and vLLM's pinned torch never meets the trainer's.
+--engine vllm` with `rollout.python` (the engine environment's interpreter) and a folder holding
+only a `prmppo` link on PYTHONPATH (never the trainer's site-packages); the worker and the spool
+protocol need only the standard library, so prmppo is not installed there and vLLM's pinned
+torch never meets the trainer's.
 
 `VLLMEngine` serves the three kinds of weights of `WeightsSpec`:
 

@@ -25,7 +25,7 @@ The engine seam: an engine is any class with `__init__(base_model_dir, device, d
 `hf_engine.HFEngine`, `vllm_engine.VLLMEngine`). Adding one means one entry in ENGINE_CLASSES;
 classes are imported lazily so that an engine's heavy dependencies are only needed in the
 interpreter that runs it. This module and the protocol import only the standard library, so the
-worker runs in an engine environment where prmppo is not installed (PYTHONPATH points at it).
+worker runs in an engine environment where prmppo is not installed (PYTHONPATH points at a folder holding only a `prmppo` link).
 """
 
 from __future__ import annotations
