@@ -57,7 +57,7 @@ def build_policy(work: Path):
     """The tiny model for task=arith (head size 32), its tokenizer, the task and a LoRA policy on it."""
     from hydra import compose, initialize_config_dir
 
-    from prmppo.app import build
+    from prmppo.config.build import build
     from prmppo.config.schema import register_schemas
     from prmppo.models.loading import load_model, load_tokenizer
 

@@ -16,7 +16,7 @@ from collections import defaultdict
 from hydra import compose, initialize_config_dir
 
 from prmppo.__main__ import CONF_DIR
-from prmppo.app import build
+from prmppo.config.build import build
 from prmppo.config.schema import register_schemas
 from prmppo.evaluation import score
 from prmppo.models.loading import check_model_dir, load_model, load_tokenizer

@@ -57,6 +57,44 @@ def vllm_python() -> str:
     pytest.skip(reason)
 
 
+# A smoke-shaped policy that is right part of the time, so that accuracies compare as numbers above 0
+# and below 1 (the 20-step smoke policy is never right, and 0 == 0 proves nothing): SFT on one-digit
+# sums a+b for 150 steps at a larger LR, ~20-40 s on a 2-core CPU. The test questions are held out of
+# SFT, so a right answer is learned addition, not recall; greedy test accuracy is ~0.4. Compose after
+# `debug=smoke`; a run with these overrides and a seed `right_sometimes_sft` made reuses its checkpoint.
+RIGHT_SOMETIMES = ["task.sft.max_operands=2", "task.sft.max_value=9", "task.sft.operators=[+]",
+                   "task.rl.min_operands=2", "task.rl.max_operands=2", "task.rl.max_value=9", "task.rl.operators=[+]",
+                   "task.sft_size=2000", "task.train_size=400",
+                   "sft.steps=150", "sft.lr=1e-2", "sft.warmup_steps=10", "sft.batch_rows=32"]
+
+
+@pytest.fixture(scope="session")
+def right_sometimes_sft(tmp_path_factory):
+    """`copy_to(artifacts_dir, *seeds) -> {seed: checkpoint}`: the SFT artifact of `debug=smoke` +
+    `RIGHT_SOMETIMES` for each seed (trained once per session), copied into `artifacts_dir`, where a
+    stage with the same overrides, seed and `artifacts_dir` reuses it instead of training."""
+    import shutil
+
+    from prmppo.app import run
+
+    store = tmp_path_factory.mktemp("right_sometimes")
+    made: dict[int, Path] = {}
+
+    def copy_to(artifacts_dir: Path, *seeds: int) -> dict[int, Path]:
+        copied = {}
+        for seed in seeds:
+            if seed not in made:
+                cfg = compose_config(["debug=smoke", *RIGHT_SOMETIMES, "stage=sft", f"seed={seed}",
+                                      f"artifacts_dir={store / 'artifacts'}"], run_dir=store / f"sft-seed{seed}")
+                made[seed] = Path(run(cfg)["checkpoint"])
+            copied[seed] = Path(artifacts_dir) / made[seed].name
+            if not copied[seed].exists():
+                shutil.copytree(made[seed], copied[seed])
+        return copied
+
+    return copy_to
+
+
 def run_prmppo(args: list[str], cwd: Path, timeout: float = 300):
     """`python -m prmppo <args>` as a user would type it (a subprocess); returns the CompletedProcess."""
     import subprocess
@@ -67,12 +105,16 @@ def run_prmppo(args: list[str], cwd: Path, timeout: float = 300):
 
 
 @pytest.fixture(scope="session")
-def tiny_sweep(tmp_path_factory) -> Path:
-    """A real multirun through Hydra's basic launcher: 2 arms x 2 seeds, 3 PPO iterations on smoke shapes,
-    test accuracy logged every iteration. Returns the sweep dir (shared by the report and notebook tests)."""
+def tiny_sweep(tmp_path_factory, right_sometimes_sft) -> Path:
+    """A real multirun through Hydra's basic launcher: 2 arms x 2 seeds, 3 PPO iterations on smoke shapes
+    from the `RIGHT_SOMETIMES` SFT policies (so test accuracies are neither 0 nor 1), test accuracy on 16
+    problems logged every iteration. Returns the sweep dir (shared by the report and notebook tests)."""
     root = tmp_path_factory.mktemp("tiny_sweep")
     sweep_dir = root / "multirun"
-    proc = run_prmppo(["-m", "stage=ppo", "debug=smoke", "arm=prm,orm", "seed=0,1", "ppo.iterations=3",
-                       f"artifacts_dir={root / 'artifacts'}", f"hydra.sweep.dir={sweep_dir}"], cwd=root)
+    right_sometimes_sft(root / "artifacts", 0, 1)
+    # job dirs by number: the overrides would make a name longer than a file name may be
+    proc = run_prmppo(["-m", "stage=ppo", "debug=smoke", *RIGHT_SOMETIMES, "eval.during_ppo_problems=16",
+                       "arm=prm,orm", "seed=0,1", "ppo.iterations=3", f"artifacts_dir={root / 'artifacts'}",
+                       f"hydra.sweep.dir={sweep_dir}", "hydra.sweep.subdir=${hydra.job.num}"], cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return sweep_dir

@@ -28,7 +28,11 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from prmppo.app import run
+from prmppo.config.validate import inert_keys
 from prmppo.errors import PrmppoError, StopRequested
+from prmppo.logger import write_json_atomic
+from prmppo.stages.common import write_stage_result
 
 log = logging.getLogger("prmppo")
 
@@ -56,21 +60,17 @@ def override_keys(overrides: list[str]) -> dict[str, str]:
 
 def warn_inert_overrides(cfg: DictConfig, overrides: list[str]) -> list[str]:
     """Warn about overridden keys that this config never reads (a sweep over them repeats one run)."""
-    from prmppo.config.validate import inert_keys
 
     inert = [key for key in override_keys(overrides) if key in inert_keys(cfg)]
     for key in inert:
-        log.warning("%s has no effect on this run (arm=%s, reward.transform=%s): only reward.transform=clip reads "
-                    "reward.eta and only min_form reads reward.min_form_temperature; prmppo.report does not split "
-                    "groups on it", key, cfg.arm.name, cfg.reward.transform if "transform" in cfg.reward else "none")
+        log.warning("%s has no effect on this run (arm=%s, ppo.advantage_estimator=%s): this config never reads it "
+                    "(stage_result.json lists it under inert_keys); prmppo.report does not split groups on it",
+                    key, cfg.arm.name, cfg.ppo.advantage_estimator)
     return inert
 
 
 def run_sweep_job(cfg: DictConfig) -> float:
     """Run one multirun job; on failure record it in the job's `stage_result.json` and return nan."""
-    from prmppo.app import run
-    from prmppo.stages.runners import write_stage_result
-
     try:
         return objective_value(run(cfg), cfg.objective)
     except StopRequested:
@@ -115,8 +115,6 @@ class SweepRecord(Callback):
                       key=lambda d: (int(d.name.split("_")[0]) if d.name.split("_")[0].isdigit() else 1 << 30, d.name))
         rows = [job_status(job) for job in jobs]
         failed = [row for row in rows if row["status"] != "ok"]
-        from prmppo.logger import write_json_atomic
-
         write_json_atomic(sweep_dir / RESULT_FILE, {"sweep_dir": str(sweep_dir), "total": len(rows),
                                                     "failed": len(failed), "jobs": rows})
         if failed:

@@ -9,7 +9,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from conftest import REPO, compose_config
-from prmppo.app import check_targets
+from prmppo.config.build import check_targets
 from prmppo.config.validate import ConfigError, validate_config
 
 GROUPS = sorted(p.name for p in (REPO / "conf").iterdir() if p.is_dir())

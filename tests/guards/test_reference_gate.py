@@ -47,7 +47,7 @@ def _saved_prm(tok, prm_dir):
 
 def _policy_with_prm(tok, tmp_path, policy_type):
     """(policy, probe): the probe taken from the fresh model, then the policy built on it and the PRM
-    loaded onto its prm_host (as `stages.ppo._attach_step_scorer` does), in the order `train_ppo` runs them."""
+    loaded onto its prm_host (as `stages.ppo._reward` does), in the order `train_ppo` runs them."""
     _saved_prm(tok, tmp_path / "prm")
     model = _model(tok)
     probe = reference_probe(model, tok, _prompts())
@@ -56,7 +56,8 @@ def _policy_with_prm(tok, tmp_path, policy_type):
                             modules_to_save=["model.norm"])
     else:
         policy = policy_type(model, detach_value_hidden=True, critic=True)
-    build_step_scorer("learned", task=TASK, tokenizer=tok, model=policy.prm_host, prm_dir=tmp_path / "prm")
+    build_step_scorer(learned=True, task=TASK, tokenizer=tok, model=policy.prm_host, prm_dir=tmp_path / "prm",
+                      chunk_rows=32)
     with torch.no_grad():  # the policy has moved away from the base: the reference must not follow
         for p in policy.policy_parameters():
             p.add_(0.05)

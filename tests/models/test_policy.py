@@ -154,7 +154,7 @@ def test_reference_stays_the_base_after_a_prm_loads_on_the_prm_host(tmp_path, po
         for p in policy.policy_parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(2)))
     trainable_before = {n: p.requires_grad for n, p in policy.model.named_parameters()}
-    # the same call as the ppo stage's _attach_step_scorer: the PRM joins the policy's prm_host
+    # the same call as the ppo stage's `_reward`: the PRM joins the policy's prm_host
     peft_model, _ = load_prm(tmp_path / "prm", policy.prm_host, None)
 
     assert torch.allclose(policy.reference_logits(ids, att, pos), base, atol=1e-6)

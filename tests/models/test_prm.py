@@ -127,7 +127,8 @@ def test_build_step_scorer_loads_the_saved_prm_onto_a_plain_model(tok, tmp_path)
     standalone, head = _trained_prm(tok, tmp_path)
     rows = _rows(tok)
     expected, _ = _scorer(standalone, head, tok).score(rows)
-    scorer = build_step_scorer("learned", task=TASK, tokenizer=tok, model=_model(tok), prm_dir=tmp_path / "prm")
+    scorer = build_step_scorer(learned=True, task=TASK, tokenizer=tok, model=_model(tok), prm_dir=tmp_path / "prm",
+                               chunk_rows=32)
     got, _ = scorer.score(rows)
     assert torch.allclose(got, expected, atol=1e-5)
     assert sorted(p.name for p in (tmp_path / "prm").rglob("*.safetensors")) == [

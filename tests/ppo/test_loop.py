@@ -16,7 +16,7 @@ from prmppo.ppo.batch import TrainBatch, collate
 from prmppo.ppo.loop import PPOTrainer
 from prmppo.ppo.optim import MasterWeights
 from prmppo.rewards.orm import OutcomeReward
-from prmppo.stages.ppo import _engine_gap_limit
+from prmppo.guards.monitors import engine_gap_tripwire
 
 TARGETS = ["q_proj", "v_proj"]
 
@@ -200,7 +200,8 @@ class _GapTrainer:
 @pytest.mark.parametrize("measured, limit", [(4e-7, 1e-2), (0.0077, 3 * 0.0077)])
 def test_engine_gap_limit_sits_above_the_measured_noise_floor(measured, limit):
     # fp32 (~4e-7): the configured 1e-2 stands; bf16 on a 0.5B model (0.0077): 3x the floor
-    tripwire, banner = _engine_gap_limit(_GapTrainer(measured), _ppo())
+    ppo = _ppo()
+    tripwire, banner = engine_gap_tripwire(_GapTrainer(measured), ppo.max_first_ratio_dev, ppo.max_engine_logprob_gap)
     assert tripwire.max_logprob_gap == pytest.approx(limit)
     assert banner["measured_at_identical_weights"] == measured and banner["limit"] == pytest.approx(limit)
     assert not tripwire.check({"rollout/engine_logprob_abs_diff": measured})

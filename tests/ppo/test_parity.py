@@ -14,7 +14,7 @@ verl (b178a3cd), OpenRLHF (3c3be623), TRL (f2cd5771) and AReaL (4aef98d8) were r
 PPO-maths tests compare two implementations or check shapes / signs, with no literal numbers.
 
 Shared conventions of ours that matter below: right padding; V = 0 after a row's last real token
-(no bootstrap); per-token policy loss max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)), with
+(`bootstrap` omitted); per-token policy loss max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)), with
 the dual clip capping A < 0 tokens at -clip_c * A; value loss 0.5 * max((v - R)^2,
 (clip(v, old +- eps) - R)^2); KL estimators on r = logprobs - ref_logprobs.
 """

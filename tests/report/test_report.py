@@ -125,10 +125,10 @@ def test_bad_inputs_name_what_is_wrong(tmp_path):
         find_runs([tmp_path / "runs"])
 
 
-def _final_from_jsonl(run_dir: Path) -> float:
+def _final_from_jsonl(run_dir: Path, key: str = "eval/test_greedy_accuracy") -> float:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if r["stage"] == "ppo_eval"]
-    return max(evals, key=lambda r: r["eval/ppo_iterations"])["eval/test_greedy_accuracy"]
+    return max(evals, key=lambda r: r["eval/ppo_iterations"])[key]
 
 
 def test_report_cli_on_a_tiny_multirun_writes_plots_and_table(tiny_sweep, tmp_path):
@@ -145,7 +145,12 @@ def test_report_cli_on_a_tiny_multirun_writes_plots_and_table(tiny_sweep, tmp_pa
     grouping = group_runs(find_runs([tiny_sweep]))
     for row in group_rows(grouping, 0.5):
         runs = grouping.groups[row.group]
-        assert row.greedy.mean == pytest.approx(sum(_final_from_jsonl(r.path) for r in runs) / len(runs))
+        greedy = [_final_from_jsonl(r.path) for r in runs]
+        sampled = [_final_from_jsonl(r.path, "eval/test_sampled_accuracy") for r in runs]
+        # the sweep's policies are right part of the time: a wrong column or run would show
+        assert all(0 < value < 1 for value in greedy + sampled)
+        assert row.greedy.mean == pytest.approx(sum(greedy) / len(runs))
+        assert row.sampled.mean == pytest.approx(sum(sampled) / len(runs))
         assert all(len(r.series("ppo_eval", "eval/test_greedy_accuracy", "eval/ppo_iterations")) == 4 for r in runs)
 
 

@@ -12,7 +12,7 @@ from prmppo.config.validate import ConfigError, validate_config
 from prmppo.models.prm import OracleStepScorer
 from prmppo.models.tiny import build_char_tokenizer
 from prmppo.rewards.steps import StepBoundaries
-from prmppo.stages.prm import (aggregate, best_of_n_eval, ensure_prm, first_error_f1, run_prm_stage, step_bce,
+from prmppo.stages.prm import (aggregate, best_of_n_eval, ensure_prm, first_error_f1, run, step_bce,
                                step_level_eval)
 from prmppo.stages.prm_labels import make_step_labels
 from prmppo.tasks import ArithTask
@@ -173,7 +173,7 @@ def test_prm_train_keys_are_validated(smoke_cfg):
 def test_prm_stage_smoke_trains_evaluates_publishes_and_reuses(smoke_cfg):
     cfg = smoke_cfg("stage=prm")
     validate_config(cfg)
-    summary = run_prm_stage(cfg, Path(cfg.run_dir))
+    summary = run(cfg, Path(cfg.run_dir))
     prm_dir = Path(summary["prm_dir"])
     for name in ("artifact.json", "prm_meta.json", "prm_head.safetensors", "prm/adapter_model.safetensors"):
         assert (prm_dir / name).is_file(), name

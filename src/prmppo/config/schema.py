@@ -17,6 +17,8 @@ from typing import Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from prmppo.config.paths import register_path_resolvers
+
 # --------------------------------------------------------------------------- stage
 
 
@@ -81,9 +83,17 @@ class TinyModelConfig(ModelConfig):
     intermediate_size: int = 256
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
+    # grouped-query attention: must divide num_attention_heads
     num_key_value_heads: int = 2
+    # tokens: prompt + response must fit
     max_position_embeddings: int = 256
     seed: int = 0
+    # tokenizer built for the task (models/tiny.py): char (one token per character of the task's
+    # alphabet) | bpe (byte-level BPE trained on the task's SFT texts) | auto (char when every SFT
+    # example fits max_position_embeddings as characters, else bpe; debug=smoke uses it)
+    tokenizer: str = "char"
+    # bpe only: vocabulary size in tokens, the 4 special tokens and 256 bytes included; > 260
+    bpe_vocab_size: int = 1024
 
 
 @dataclass
@@ -270,7 +280,7 @@ class PPOConfig:
     max_first_ratio_dev: float = 1e-3
     # max mean |engine - trainer| logprob per response token, in nats (fp32 noise is ~1e-6;
     # a skipped sync after one update is ~1e-2 and more); > 0. The limit in force is the larger
-    # of this and 3x the gap measured at launch with identical weights (banner.json gates.engine_gap)
+    # of this and 3x the gap measured at launch with identical weights (banner.json gates.ratio_tripwire)
     max_engine_logprob_gap: float = 1e-2
     # abort when more optimizer steps than this in a row have a non-finite gradient; >= 1
     max_consecutive_skipped_steps: int = 3
@@ -447,6 +457,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
 
 def register_schemas() -> None:
     """Register the root schema and every group schema in Hydra's ConfigStore (idempotent)."""
+    register_path_resolvers()  # ${prmppo.from_launch_dir:...}, ${prmppo.beside_env:...}: config/paths.py
     store = ConfigStore.instance()
     store.store(name="root_schema", node=RootConfig)
     for group, options in SCHEMAS.items():

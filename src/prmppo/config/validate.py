@@ -17,22 +17,23 @@ from urllib.parse import urlparse
 from omegaconf import DictConfig, OmegaConf
 
 from prmppo.errors import PrmppoError
-from prmppo.ppo.maths import GROUP_ESTIMATORS
+from prmppo.models.prm import HEAD_TYPES as PRM_HEADS
+from prmppo.ppo.maths import AGG_MODES as LOSS_AGGS, GROUP_ESTIMATORS
+from prmppo.ppo.sync import SYNC_MODES
+from prmppo.rewards.kl import KL_ESTIMATORS
+from prmppo.rewards.prm import SCORER_KINDS as SCORERS
+from prmppo.rewards.transforms import TRANSFORM_NAMES as TRANSFORMS
 
+# the valid choices below are the implementing modules' own lists; these few have no module of their own
 ADVANTAGE_ESTIMATORS = ("gae", *GROUP_ESTIMATORS)
-
 STAGES = ("sft", "prm", "band", "ppo", "eval", "pipeline")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-SYNC_MODES = ("checkpoint", "adapter")
 ENGINES = ("hf", "vllm")
-TRANSFORMS = ("plain", "centered", "log", "clip", "delta", "min_form")
-SCORERS = ("learned", "oracle")
 DTYPES = ("float32", "bfloat16", "float16")
 WANDB_MODES = ("auto", "offline", "online")
+# prm_train.label_source / estimation: also listed in stages/prm_labels.py, which cannot be imported here
+# (stages import this module)
 LABEL_SOURCES = ("checker", "monte_carlo")
 ESTIMATIONS = ("hard", "soft")
-PRM_HEADS = ("classifier", "label_tokens")
 
 
 class ConfigError(PrmppoError):

@@ -191,6 +191,23 @@ def check_step_scorer(task, reward) -> dict:
     return {"step_scores": "exact step checker"}
 
 
+def check_label_source(task, label_source: str, needed: bool = True) -> dict:
+    """PRM training labels need a source: `prm_train.label_source=checker` labels steps with the task's
+    exact step checker, so a task without one (GSM8K) is refused here, before SFT or any weights,
+    instead of after SFT when the labels are made. `monte_carlo` labels come from policy completions
+    and need only the outcome verifier. `needed=False` (no learned PRM in this run) checks nothing."""
+    if not needed:
+        return {"prm_labels": "none (no learned PRM)"}
+    if label_source != "checker":
+        return {"prm_labels": label_source}
+    probe = task.problems("test")[0]
+    if task.check_steps(probe, probe.solution) is None:
+        raise GateError(f"prm_train.label_source=checker needs an exact step checker, but task {task.name!r} has "
+                        f"none; use prm_train.label_source=monte_carlo (labels from policy completions) or arm=orm "
+                        f"(no PRM)")
+    return {"prm_labels": "checker (exact step checker)"}
+
+
 def check_trainable_modules(modules_to_save: list[str], architecture: dict | None, source: str = "") -> dict:
     """Every `lora.modules_to_save` name must be a module of the model: checked on a skeleton built
     on the meta device from the model's config (`architecture`, a transformers config dict), so
@@ -264,7 +281,7 @@ def check_reference(policy, probe_input_ids, probe_attention_mask, probe_positio
     """The policy's KL reference must be the base model it was built on: its logits on the probe batch
     equal `base_logits` (the base's, from `reference_probe`) at every real token, within
     `REFERENCE_REL_TOLERANCE[dtype]` times the largest |base logit| (at least 1). Run after the step
-    scorer is attached, so a PRM adapter loaded onto the reference's weights is covered.
+    scorer is built, so a PRM adapter loaded onto the reference's weights is covered.
     Returns the largest difference, the tolerance and the probe's shape, for `banner.json`."""
     if dtype not in REFERENCE_REL_TOLERANCE:
         raise GateError(f"reference check: model dtype {dtype} has no tolerance; valid: "

@@ -247,18 +247,16 @@ def load_prm(prm_dir: str | Path, model: nn.Module, tokenizer) -> tuple[nn.Modul
     return peft_model, head.to(device).eval().requires_grad_(False)
 
 
-def build_step_scorer(scorer: str, *, task, tokenizer, model: nn.Module | None = None,
-                      prm_dir: str | Path | None = None, chunk_rows: int = 32) -> StepScorer:
-    """The scorer `reward.scorer` names: "oracle" (task checker) or "learned" (PRM at `prm_dir`,
-    loaded onto `model`, e.g. the policy's PeftModel)."""
+def build_step_scorer(*, learned: bool, task, tokenizer, model: nn.Module | None = None,
+                      prm_dir: str | Path | None = None, chunk_rows: int) -> StepScorer:
+    """A learned PRM (the artifact at `prm_dir`, loaded onto `model`, e.g. the policy's PeftModel) when
+    `learned`, else the task's exact step checker."""
     boundaries = StepBoundaries.from_tokenizer(tokenizer, task.step_delimiter)
-    if scorer == "oracle":
+    if not learned:
         return OracleStepScorer(task, tokenizer, boundaries.delimiter_ids, boundaries.eos_token_id,
                                 boundaries.blank_ids)
-    if scorer == "learned":
-        if model is None or prm_dir is None:
-            raise ValueError("reward.scorer=learned needs the PRM artifact dir (ensure_prm) and the model to load it on")
-        peft_model, head = load_prm(prm_dir, model, tokenizer)
-        return LearnedStepScorer(peft_model, head, boundaries.delimiter_ids, boundaries.eos_token_id, chunk_rows,
-                                 boundaries.blank_ids)
-    raise ValueError(f"reward.scorer={scorer!r} is not one of learned, oracle")
+    if model is None or prm_dir is None:
+        raise ValueError("a learned PRM scorer needs the PRM artifact dir (ensure_prm) and the model to load it on")
+    peft_model, head = load_prm(prm_dir, model, tokenizer)
+    return LearnedStepScorer(peft_model, head, boundaries.delimiter_ids, boundaries.eos_token_id, chunk_rows,
+                             boundaries.blank_ids)

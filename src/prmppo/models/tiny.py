@@ -1,10 +1,21 @@
-"""`model=tiny`: a small Mistral-architecture causal LM and a character tokenizer, built from code.
+"""`model=tiny`: a small Mistral-architecture causal LM and a tokenizer for the task, built from code.
 
 The embedded default needs a model that learns chained arithmetic on a laptop CPU in minutes
 and that nothing has to download. This module builds one with transformers' own Mistral
-classes and a one-token-per-character tokenizer over the task's alphabet, then saves both as an
-ordinary Hugging Face-layout directory, so every later stage loads it through the same path
-as a real checkpoint (`prmppo.models.loading`).
+classes and a tokenizer made for the task, then saves both as an ordinary Hugging Face-layout
+directory, so every later stage loads it through the same path as a real checkpoint
+(`prmppo.models.loading`).
+
+The tokenizer (`model.tokenizer`):
+  char  one token per character of the task's alphabet (arith: 23 characters, <= 57 an example);
+  bpe   a byte-level BPE of `model.bpe_vocab_size` tokens trained on the task's SFT texts (prompt +
+        solution), offline and deterministic (same texts, same merges). For long natural-language
+        texts: a GSM8K example has up to ~1700 characters but ~650 tokens of a 1024-token BPE;
+  auto  `char` when every SFT example fits `model.max_position_embeddings` one token per
+        character, else `bpe` (what `debug=smoke` uses, so it runs on arith and on GSM8K).
+Both put the same special tokens at ids 0..3 and prepend BOS to every input.
+
+    python -m prmppo debug=smoke task=gsm8k prm_train.label_source=monte_carlo   # picks bpe
 """
 
 from __future__ import annotations
@@ -17,6 +28,8 @@ import torch
 from prmppo.models.loading import DTYPES, check_model_dir
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")  # ids 0..3
+TOKENIZERS = ("char", "bpe", "auto")
+BYTE_ALPHABET = 256  # a byte-level BPE starts from one token per byte
 
 
 def build_char_tokenizer(alphabet: str):
@@ -40,12 +53,55 @@ def build_char_tokenizer(alphabet: str):
         tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
 
 
+def build_bpe_tokenizer(texts, vocab_size: int):
+    """A byte-level BPE tokenizer of at most `vocab_size` tokens (specials included) trained on `texts`.
+
+    Every byte has a token (so any text encodes, none is unknown); merges are learned from the
+    texts in their order, so the same texts give the same tokenizer. Special tokens and BOS as in
+    `build_char_tokenizer`; decoding is exact (no clean-up of spaces before punctuation).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    smallest = len(SPECIAL_TOKENS) + BYTE_ALPHABET
+    if vocab_size <= smallest:
+        raise ValueError(f"model.bpe_vocab_size={vocab_size} leaves no room for merges: it must be > {smallest} "
+                         f"({len(SPECIAL_TOKENS)} special tokens + {BYTE_ALPHABET} bytes), e.g. 1024")
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    core.train_from_iterator(texts, trainer)
+    bos = core.token_to_id("<s>")
+    core.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", bos)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+        clean_up_tokenization_spaces=False)
+
+
+def sft_texts(task) -> list[str]:
+    """What the policy reads and writes in SFT: each `sft` problem's prompt followed by its solution."""
+    return [task.format_prompt(p) + p.solution for p in task.problems("sft")]
+
+
+def pick_tokenizer(kind: str, task, max_position_embeddings: int) -> str:
+    """`kind` (one of `TOKENIZERS`), with `auto` resolved: `char` when every SFT example (+ BOS and
+    EOS) fits `max_position_embeddings` one token per character, else `bpe`."""
+    if kind != "auto":
+        return kind
+    longest = max(map(len, sft_texts(task))) + 2
+    return "char" if longest <= max_position_embeddings else "bpe"
+
+
 class TinyModelSource:
     """Builds the tiny model for a task and saves it as an HF-layout directory."""
 
     def __init__(self, hidden_size: int = 96, intermediate_size: int = 256, num_hidden_layers: int = 4,
                  num_attention_heads: int = 4, num_key_value_heads: int = 2,
-                 max_position_embeddings: int = 256, seed: int = 0, dtype: str = "float32"):
+                 max_position_embeddings: int = 256, seed: int = 0, dtype: str = "float32",
+                 tokenizer: str = "char", bpe_vocab_size: int = 1024):
         if hidden_size % num_attention_heads or num_attention_heads % num_key_value_heads:
             raise ValueError(
                 f"model.hidden_size={hidden_size} must be divisible by model.num_attention_heads="
@@ -53,8 +109,19 @@ class TinyModelSource:
         self.arch = dict(hidden_size=hidden_size, intermediate_size=intermediate_size,
                          num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
                          num_key_value_heads=num_key_value_heads, max_position_embeddings=max_position_embeddings)
+        if tokenizer not in TOKENIZERS:
+            raise ValueError(f"model.tokenizer={tokenizer!r} is not one of {', '.join(TOKENIZERS)}")
         self.seed = seed
         self.dtype = dtype
+        self.tokenizer = tokenizer
+        self.bpe_vocab_size = bpe_vocab_size
+
+    def build_tokenizer(self, task):
+        """(the tokenizer for `task`, the kind built: `char` or `bpe`)."""
+        kind = pick_tokenizer(self.tokenizer, task, self.arch["max_position_embeddings"])
+        if kind == "char":
+            return build_char_tokenizer(task.alphabet()), kind
+        return build_bpe_tokenizer(sft_texts(task), self.bpe_vocab_size), kind
 
     def materialize(self, task, out_dir: Path) -> Path:
         """Write config, tokenizer and freshly initialised weights to `out_dir` (kept if complete)."""
@@ -64,7 +131,7 @@ class TinyModelSource:
             return out_dir
         from transformers import MistralConfig, MistralForCausalLM
 
-        tokenizer = build_char_tokenizer(task.alphabet())
+        tokenizer, kind = self.build_tokenizer(task)
         config = MistralConfig(
             vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True, sliding_window=None,
@@ -75,6 +142,9 @@ class TinyModelSource:
         tmp = out_dir.with_name(out_dir.name + ".tmp")
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "prmppo_model.json").write_text(json.dumps({"source": "tiny", **self.arch, "seed": self.seed}))
+        made = {"source": "tiny", **self.arch, "seed": self.seed, "tokenizer": kind}
+        if kind == "bpe":
+            made["bpe_vocab_size"] = len(tokenizer)
+        (tmp / "prmppo_model.json").write_text(json.dumps(made))
         tmp.rename(out_dir)  # a crash mid-save never leaves a half-written model dir behind
         return out_dir

@@ -221,3 +221,87 @@ def checkpoint_every(iterations: int, sync_every_iterations: int) -> int:
     """
     quarter = -(-iterations // 4)  # ceil
     return -(-max(sync_every_iterations, quarter) // sync_every_iterations) * sync_every_iterations
+
+
+# --------------------------------------------------------------------------- keeping: what a run saves and spares
+
+
+def _trim_jsonl(path: Path, keep) -> list[dict]:
+    """Rewrite `path` atomically with only the rows `keep(row)` accepts; returns them."""
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    kept = [row for row in rows if keep(row)]
+    if len(kept) != len(rows):
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        tmp.replace(path)
+    return kept
+
+
+class CheckpointKeeper:
+    """The run's checkpoint policy: resume from the newest, save every `every` iterations (and at the last
+    iteration or a stop), keep the newest `keep`, and never prune a pinned checkpoint nor the checkpoint of
+    the best canary check so far (the one a later canary alarm pins)."""
+
+    def __init__(self, run_dir: Path, every: int, keep: int, canary):
+        self.run_dir, self.every, self.keep, self.canary = Path(run_dir), every, keep, canary
+        self.checkpoint = latest_checkpoint(self.run_dir)
+        self.first = read_meta(self.checkpoint)["next_iteration"] if self.checkpoint else 0
+        self.alarms: list[dict] = []
+        self.pinned: list[str] = []
+
+    def trim_run_files(self) -> list[dict]:
+        """Drop PPO and test-evaluation (`ppo_eval`) rows of iterations >= the resume point (logged after the
+        checkpoint, before a kill) from metrics.jsonl and canary.jsonl, so each reads as one run; returns the
+        kept PPO metrics rows."""
+        start = self.first
+        rows = _trim_jsonl(self.run_dir / "metrics.jsonl",
+                           lambda r: r["stage"] not in ("ppo", "ppo_eval") or r["step"] < start)
+        _trim_jsonl(self.run_dir / "canary.jsonl", lambda r: r["iteration"] < start)
+        return [row for row in rows if row["stage"] == "ppo"]
+
+    def resume(self, policy, trainer, sync) -> int:
+        """Load the newest checkpoint (if any) into the policy and trainer, make the engine serve it, and
+        restore the alarms, pins and canary best; returns the first iteration to run."""
+        if self.checkpoint is None:
+            return 0
+        next_iteration = load_checkpoint(self.checkpoint, policy, trainer)
+        extra = read_meta(self.checkpoint)["extra"]
+        self.canary.best, self.canary.best_iteration = extra["canary_best"], extra["canary_best_iteration"]
+        self.alarms, self.pinned = list(extra["alarms"]), list(extra["pinned"])
+        sync.push(policy)  # the first request after a resume must name the resumed weights, not the SFT base
+        return next_iteration
+
+    def best(self) -> Path | None:
+        """The checkpoint holding the weights the canary scored best (`it<best_iteration + 1>`), if one was saved."""
+        if self.canary.best_iteration < 0:
+            return None
+        path = self.run_dir / "checkpoints" / checkpoint_name(self.canary.best_iteration + 1)
+        return path if path in list_checkpoints(self.run_dir / "checkpoints") else None
+
+    def record(self, new_alarms: list[dict]) -> list[str]:
+        """Add this iteration's alarms; on a canary alarm pin the best checkpoint for good. Returns warnings."""
+        self.alarms += new_alarms
+        if not any(alarm["tripwire"] == "canary" for alarm in new_alarms):
+            return []
+        best = self.best()
+        if best is None:
+            return [f"canary alarm: the best canary iteration {self.canary.best_iteration} has no checkpoint to "
+                    f"pin (canary.every is not a multiple of the checkpoint period)"]
+        if str(best) in self.pinned:
+            return []
+        self.pinned.append(str(best))
+        return [f"canary alarm: pinned {best} (best canary accuracy {self.canary.best:.3f}) against pruning"]
+
+    def maybe_save(self, iteration: int, policy, trainer, force: bool) -> Path | None:
+        """Save after `iteration` when the cadence says so or `force` (last iteration, stop); prune."""
+        if not (force or (iteration + 1) % self.every == 0):
+            return None
+        extra = {"alarms": self.alarms, "canary_best": self.canary.best,
+                 "canary_best_iteration": self.canary.best_iteration, "pinned": self.pinned}
+        self.checkpoint = save_checkpoint(self.run_dir / "checkpoints", iteration + 1, policy, trainer, extra)
+        best = self.best()
+        prune_checkpoints(self.run_dir / "checkpoints", self.keep,
+                          pinned=tuple(Path(p) for p in self.pinned) + ((best,) if best is not None else ()))
+        return self.checkpoint

@@ -15,13 +15,15 @@ from pathlib import Path
 
 from prmppo.rollout.protocol import WeightsSpec
 
+SYNC_MODES = ("checkpoint", "adapter")
+
 
 class WeightSync:
     """Decides when to ship weights and what the next rollout request must be sampled with."""
 
     def __init__(self, mode: str, every_iterations: int, sync_dir: Path, tokenizer):
-        if mode not in ("checkpoint", "adapter"):
-            raise ValueError(f"rollout.sync={mode!r} is not one of checkpoint, adapter")
+        if mode not in SYNC_MODES:
+            raise ValueError(f"rollout.sync={mode!r} is not one of {', '.join(SYNC_MODES)}")
         self.mode = mode
         self.every_iterations = every_iterations
         self.sync_dir = Path(sync_dir)

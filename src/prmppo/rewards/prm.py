@@ -21,8 +21,7 @@ minus outcome accuracy) and, when the task has an exact step checker, `hack/true
 and `hack/prm_vs_true_step_gap` (mean step score minus true step accuracy).
 
 The step scorer (and the task, for the true-step monitors) are runtime dependencies: the PPO
-runner passes them as instantiate kwargs (`build(cfg.reward, "reward", step_scorer=..., task=...)`)
-or via `attach`. `needs_learned_prm` tells the runner whether a PRM artifact must exist. The runner
+stage passes them at construction (`build(cfg.reward, "reward", step_scorer=..., task=...)`). `needs_learned_prm` tells the runner whether a PRM artifact must exist. The runner
 also passes the run's `seed` (`build(cfg.reward, "reward", seed=cfg.seed)`), from which the noise
 generator's seed is derived (`label_noise_seed`), so two run seeds flip different steps.
 `state_dict()` / `load_state_dict()` hold that generator's state: `ppo/checkpoint.py` saves it, so a
@@ -87,17 +86,11 @@ class ProcessReward:
         if state:
             self.noise_generator.set_state(state["noise_generator"])
 
-    def attach(self, step_scorer, task=None) -> "ProcessReward":
-        """Give the reward its step scorer (and task) after construction."""
-        self.step_scorer = step_scorer
-        self.task = task if task is not None else self.task
-        return self
-
     def __call__(self, batch) -> tuple[RewardTerms, dict[str, float]]:
         if self.step_scorer is None:
             raise RuntimeError(
                 f"ProcessReward (reward.scorer={self.scorer}) was called without a step scorer: the runner must pass "
-                "step_scorer= (prmppo.models.prm.build_step_scorer) when it builds the reward, or call attach()")
+                "step_scorer= (prmppo.models.prm.build_step_scorer) when it builds the reward")
         scores, ends = self.step_scorer.score(batch)  # [B, T], [B, T] bool  (1)
         steps, step_mask = to_steps(scores.float(), ends)  # [B, K]
         steps, flipped = self._noise(steps, step_mask)  # (2)

@@ -1,5 +1,12 @@
-"""Stage runners: `name -> runner(cfg, run_dir) -> summary dict`, dispatched by `app.run`."""
+"""The stages `python -m prmppo stage=<name>` runs: `name -> run(cfg, run_dir) -> summary dict`.
 
-from prmppo.stages.runners import STAGE_RUNNERS
+Every stage module has the same shape: `ensure_<artifact>(...)` makes or reuses its artifact from
+values (sft, prm, ppo's `train_ppo`), and `run(cfg, run_dir)` runs it as a stage and writes
+`stage_result.json`. Shared plumbing lives in `stages/common.py`; `config/build.py` below both.
+"""
 
-__all__ = ["STAGE_RUNNERS"]
+from prmppo.stages import eval as eval_stage, pipeline, ppo, prm, sft
+
+STAGES = {"sft": sft.run, "prm": prm.run, "ppo": ppo.run, "eval": eval_stage.run, "pipeline": pipeline.run}
+
+__all__ = ["STAGES"]

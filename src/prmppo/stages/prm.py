@@ -39,11 +39,16 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from prmppo import artifacts
+from prmppo.config.build import build
+from prmppo.guards.gates import check_label_source
 from prmppo.logger.console import log_milestone, progress as progress_bar
+from prmppo.models.loading import load_model, load_tokenizer
 from prmppo.models.prm import LearnedStepScorer, make_head, new_prm, prm_step_logits, save_prm
 from prmppo.ppo.batch import collate
 from prmppo.ppo.maths import make_scheduler
 from prmppo.rewards.steps import StepBoundaries, align_step_labels
+from prmppo.stages.common import open_metrics, train_device, write_stage_result
+from prmppo.stages.sft import ensure_sft
 from prmppo.stages.prm_labels import (PolicySampler, StepExample, corrupt_at_random_step, encode_solution,
                                       make_step_labels, row_step_ends)
 
@@ -254,8 +259,6 @@ def _label_stats(examples: list[StepExample]) -> dict[str, float]:
 
 def ensure_prm(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path, reuse: bool) -> tuple[Path, dict]:
     """The PRM artifact for this config: reused when `reuse` and it exists, else trained on `sft_checkpoint`."""
-    from prmppo.models.loading import load_model, load_tokenizer
-    from prmppo.stages.runners import open_metrics, train_device
 
     final = artifacts.artifact_dir(cfg, "prm")
     if reuse and artifacts.artifact_ready(final):
@@ -301,13 +304,12 @@ def ensure_prm(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path, reuse
     return final, summary
 
 
-def run_prm_stage(cfg: DictConfig, run_dir: Path) -> dict:
+def run(cfg: DictConfig, run_dir: Path) -> dict:
     """Stage `prm`: the SFT checkpoint (reused or trained), then a freshly trained PRM."""
-    from prmppo.app import build
-    from prmppo.stages.runners import ensure_sft, write_stage_result
 
     start = time.time()
     task = build(cfg.task, "task")
+    check_label_source(task, cfg.prm_train.label_source)  # refused before SFT or any weights
     sft_checkpoint, _ = ensure_sft(cfg, task, run_dir, reuse=True)
     _, summary = ensure_prm(cfg, task, run_dir, sft_checkpoint, reuse=False)
     summary["wall_seconds"] = time.time() - start

@@ -14,15 +14,25 @@ held-out SFT-distribution problems, and saves an HF-layout checkpoint that later
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from omegaconf import DictConfig
 
+from prmppo import artifacts
+from prmppo.config.build import build
 from prmppo.errors import PrmppoError
+from prmppo.evaluation import score
 from prmppo.logger.console import log_milestone, progress as progress_bar
+from prmppo.models.loading import load_model, load_tokenizer
 from prmppo.ppo.maths import make_scheduler
+from prmppo.stages.common import open_metrics, train_device, write_stage_result
+
+log = logging.getLogger("prmppo")
 
 IGNORE = -100  # label of positions that carry no loss (prompt and padding)
 
@@ -101,3 +111,60 @@ def train_sft(model, source: SFTBatchSource, *, steps: int, batch_rows: int, lr:
             progress.set_postfix(loss=f"{loss_ema:.3f}")
     model.eval()
     return {"final_loss_ema": loss_ema, "train_seconds": time.time() - start, "response_tokens": tokens}
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def _greedy(model, tokenizer, task, problems, cfg: DictConfig) -> dict:
+    return score(model, tokenizer, task, problems, k=0, temperature=cfg.eval.temperature,
+                 max_new_tokens=cfg.sft.max_new_tokens, batch_rows=cfg.eval.batch_rows, seed=cfg.seed,
+                 show_progress=cfg.logger.console)
+
+
+def ensure_sft(cfg: DictConfig, task, run_dir: Path, reuse: bool) -> tuple[Path, dict]:
+    """The SFT checkpoint for this config: reused when `reuse` and it exists, else trained."""
+    final = artifacts.artifact_dir(cfg, "sft")
+    if reuse and artifacts.artifact_ready(final):
+        log.info("reusing SFT checkpoint %s (same task/model/sft config)", final)
+        return final, {"reused": True, "checkpoint": str(final)}
+    source = build(cfg.model, "model source")
+    init_dir = source.materialize(task, run_dir / "init_model")
+    device = train_device(cfg)
+    tokenizer = load_tokenizer(init_dir)
+    model = load_model(init_dir, cfg.model.dtype, device)
+    summary: dict = {"checkpoint": str(final), "init": str(init_dir),
+                     "parameters": sum(p.numel() for p in model.parameters())}
+    with open_metrics(cfg, run_dir, "sft") as logger:
+        if cfg.sft.steps > 0:
+            batches = SFTBatchSource.build(task, task.problems("sft"), tokenizer,
+                                           model.config.max_position_embeddings)
+            summary.update(train_sft(
+                model, batches, steps=cfg.sft.steps, batch_rows=cfg.sft.batch_rows, lr=cfg.sft.lr,
+                warmup_steps=cfg.sft.warmup_steps, min_lr_ratio=cfg.sft.min_lr_ratio,
+                weight_decay=cfg.sft.weight_decay, grad_clip=cfg.sft.grad_clip,
+                pad_token_id=tokenizer.pad_token_id, device=device, seed=cfg.seed, logger=logger))
+        if cfg.sft.eval_problems > 0:
+            start = time.time()
+            summary["test"] = _greedy(model, tokenizer, task, task.problems("test")[: cfg.sft.eval_problems], cfg)
+            summary["sft_distribution"] = _greedy(model, tokenizer, task,
+                                                  task.problems("sft")[-cfg.sft.eval_problems:], cfg)
+            summary["eval_seconds"] = time.time() - start
+            logger.log(cfg.sft.steps, {"eval/test_greedy_accuracy": summary["test"]["greedy_accuracy"],
+                                       "eval/sft_greedy_accuracy": summary["sft_distribution"]["greedy_accuracy"]},
+                       echo=True)
+    tmp = artifacts.staging_dir(final)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    artifacts.publish(tmp, final, cfg, "sft", summary)
+    return final, summary
+
+
+def run(cfg: DictConfig, run_dir: Path) -> dict:
+    """Stage `sft`: a freshly trained SFT checkpoint (published as this config's artifact)."""
+    start = time.time()
+    task = build(cfg.task, "task")
+    _, summary = ensure_sft(cfg, task, run_dir, reuse=False)
+    summary["wall_seconds"] = time.time() - start
+    write_stage_result(run_dir, cfg, "sft", summary)
+    return summary

@@ -1,0 +1,62 @@
+"""Plumbing every stage shares: the training device, the metrics logger, `stage_result.json`, and the
+evaluation of a checkpoint on the test split. Stages read the config; what they call takes values."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from prmppo.config.validate import inert_keys, wandb_key_configured
+from prmppo.errors import PrmppoError
+from prmppo.evaluation import score
+from prmppo.logger import MetricsLogger, write_json_atomic
+from prmppo.models.loading import load_model, load_tokenizer
+
+
+def train_device(cfg: DictConfig) -> torch.device:
+    device = torch.device(cfg.topology.train_device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise PrmppoError(f"topology.train_device={cfg.topology.train_device!r} but no CUDA device is visible; "
+                          "use topology=cpu")
+    return device
+
+
+def open_metrics(cfg: DictConfig, run_dir: Path, stage: str) -> MetricsLogger:
+    """The stage's metrics logger: metrics.jsonl always, plus a W&B run when `logger.wandb`."""
+    sinks = []
+    if cfg.logger.wandb:
+        from prmppo.logger.wandb_sink import WandbSink  # imports wandb, an optional package
+
+        mode = cfg.logger.mode if cfg.logger.mode != "auto" else ("online" if wandb_key_configured() else "offline")
+        sinks.append(WandbSink(
+            run_dir=run_dir, project=cfg.logger.wandb_project, entity=cfg.logger.wandb_entity, mode=mode,
+            config=OmegaConf.to_container(cfg, resolve=True), group=cfg.experiment_name, job_type=stage,
+            tags=[cfg.arm.name, stage, f"seed={cfg.seed}"], name=f"{Path(run_dir).name}-{stage}"))
+    return MetricsLogger(run_dir, stage, console=cfg.logger.console, sinks=sinks)
+
+
+def write_stage_result(run_dir: Path, cfg: DictConfig, stage: str, summary: dict, status: str | None = None,
+                       error: dict | None = None) -> None:
+    """`stage_result.json`: status (`ok`, `stopped`, `failed`), who ran (arm, experiment, seed), the keys
+    this config never reads (`inert_keys`), the summary and, for a failed run, the error."""
+    status = status or ("stopped" if "stopped" in summary else "ok")
+    result = {"status": status, "stage": stage, "arm": cfg.arm.name, "experiment": cfg.experiment_name,
+              "seed": cfg.seed, "inert_keys": inert_keys(cfg), "summary": summary}
+    if error is not None:
+        result["error"] = error
+    write_json_atomic(run_dir / "stage_result.json", result)
+
+
+def evaluate_checkpoint(cfg: DictConfig, task, checkpoint: Path) -> dict:
+    """Greedy accuracy, sampled accuracy (eval.k samples at eval.temperature) and pass@k on `test`."""
+    model = load_model(checkpoint, cfg.model.dtype, train_device(cfg))
+    tokenizer = load_tokenizer(checkpoint)
+    problems = task.problems("test")[: cfg.eval.n_problems]
+    start = time.time()
+    result = score(model, tokenizer, task, problems, k=cfg.eval.k, temperature=cfg.eval.temperature,
+                   max_new_tokens=cfg.eval.max_new_tokens, batch_rows=cfg.eval.batch_rows, seed=cfg.seed,
+                   show_progress=cfg.logger.console)
+    return {"checkpoint": str(checkpoint), **result, "eval_seconds": time.time() - start}

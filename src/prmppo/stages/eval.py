@@ -1,0 +1,60 @@
+"""Stage `eval`: greedy accuracy, sampled accuracy (mean over `eval.k` samples at `eval.temperature`)
+and pass@k on the test split.
+
+    python -m prmppo stage=eval eval.checkpoint=runs/default/<time>/checkpoints/final eval.k=16
+    python -m prmppo stage=eval                     # this config's SFT and PPO artifacts, when they exist
+
+`side_by_side` is the pipeline's last step: the SFT and PPO policies on the same problems, and
+their difference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from prmppo import artifacts
+from prmppo.config.build import build
+from prmppo.errors import PrmppoError
+from prmppo.logger import write_json_atomic
+from prmppo.models.loading import check_model_dir
+from prmppo.stages.common import evaluate_checkpoint, open_metrics, write_stage_result
+
+
+def run(cfg: DictConfig, run_dir: Path) -> dict:
+    """Evaluate `eval.checkpoint`, or this config's SFT and PPO artifacts when it is empty."""
+    task = build(cfg.task, "task")
+    if cfg.eval.checkpoint:
+        targets = {"checkpoint": Path(cfg.eval.checkpoint)}
+    else:
+        targets = {stage: artifacts.artifact_dir(cfg, stage) for stage in ("sft", "ppo")
+                   if artifacts.artifact_ready(artifacts.artifact_dir(cfg, stage))}
+        if not targets:
+            raise PrmppoError(f"eval.checkpoint is empty and no SFT/PPO artifact for this config exists under "
+                              f"{Path(cfg.artifacts_dir).resolve()}; pass eval.checkpoint=<HF-layout dir>")
+    for path in targets.values():
+        check_model_dir(path)
+    summary = {}
+    with open_metrics(cfg, run_dir, "eval") as logger:
+        for name, path in targets.items():
+            summary[name] = evaluate_checkpoint(cfg, task, path)
+            logger.log(0, {f"eval/{name}/{k}": v for k, v in summary[name].items() if isinstance(v, float)},
+                       echo=True)
+    write_json_atomic(run_dir / "eval.json", summary)
+    write_stage_result(run_dir, cfg, "eval", summary)
+    return summary
+
+
+def side_by_side(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path, ppo_checkpoint: Path) -> dict:
+    """Both policies evaluated on the test split and `delta` = PPO - SFT; written to eval.json."""
+    evaluation = {"sft": evaluate_checkpoint(cfg, task, sft_checkpoint),
+                  "ppo": evaluate_checkpoint(cfg, task, ppo_checkpoint)}
+    delta = {key: evaluation["ppo"][key] - evaluation["sft"][key]
+             for key in evaluation["sft"] if key.endswith("accuracy") or key.startswith("pass@")}
+    with open_metrics(cfg, run_dir, "eval") as logger:
+        for name, result in evaluation.items():
+            logger.log(0, {f"eval/{name}/{k}": v for k, v in result.items() if isinstance(v, float)}, echo=True)
+        logger.log(0, {f"eval/delta/{k}": v for k, v in delta.items()}, echo=True)
+    write_json_atomic(run_dir / "eval.json", {**evaluation, "delta": delta})
+    return {"eval": evaluation, "delta": delta}
