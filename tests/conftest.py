@@ -118,3 +118,32 @@ def tiny_sweep(tmp_path_factory, right_sometimes_sft) -> Path:
                        f"hydra.sweep.dir={sweep_dir}", "hydra.sweep.subdir=${hydra.job.num}"], cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return sweep_dir
+
+
+def tiny_mistral(vocab_size: int, seed: int = 0, max_position_embeddings: int = 128):
+    """A 2-layer, 32-wide Mistral with random weights (seeded), in eval mode: the unit tests' model."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MistralConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
+                        tie_word_embeddings=True)
+    return MistralForCausalLM(cfg).eval()
+
+
+def save_perturbed_prm(model, prm_dir: Path, head, targets: list[str]):
+    """A `prm` adapter on `model` with non-trivial (perturbed, seeded) weights, saved with `head` to `prm_dir`;
+    returns the PeftModel."""
+    import torch
+
+    from prmppo.models.prm import new_prm, save_prm
+
+    peft_model = new_prm(model, r=4, alpha=8, target_modules=targets, init_seed=0)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in peft_model.parameters():
+            if p.requires_grad:
+                p.add_(0.3 * torch.randn(p.shape, generator=generator))
+    save_prm(prm_dir, peft_model, head)
+    return peft_model

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from transformers import MistralConfig, MistralForCausalLM
 
+from conftest import save_perturbed_prm, tiny_mistral
 from prmppo.guards.gates import REFERENCE_REL_TOLERANCE, GateError, check_reference, reference_probe
 from prmppo.models.policy import FullPolicy, LoraPolicy
-from prmppo.models.prm import build_step_scorer, make_head, new_prm, save_prm
+from prmppo.models.prm import build_step_scorer, make_head
 from prmppo.models.tiny import build_char_tokenizer
 from prmppo.tasks import ArithTask
 
@@ -23,11 +23,7 @@ def tok():
 
 
 def _model(tok, seed=0):
-    torch.manual_seed(seed)
-    cfg = MistralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                        tie_word_embeddings=True)
-    return MistralForCausalLM(cfg).eval()
+    return tiny_mistral(len(tok), seed)
 
 
 def _prompts() -> list[str]:
@@ -36,13 +32,7 @@ def _prompts() -> list[str]:
 
 def _saved_prm(tok, prm_dir):
     """A PRM with non-trivial (perturbed) adapter weights, saved to `prm_dir`."""
-    peft_model = new_prm(_model(tok), r=4, alpha=8, target_modules=TARGETS, init_seed=0)
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in peft_model.parameters():
-            if p.requires_grad:
-                p.add_(0.3 * torch.randn(p.shape, generator=generator))
-    save_prm(prm_dir, peft_model, make_head("classifier", 32, tok))
+    save_perturbed_prm(_model(tok), prm_dir, make_head("classifier", 32, tok), TARGETS)
 
 
 def _policy_with_prm(tok, tmp_path, policy_type):

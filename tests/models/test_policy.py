@@ -9,7 +9,8 @@ from transformers import MistralConfig, MistralForCausalLM
 
 from prmppo.models.loading import load_model
 from prmppo.models.policy import FullPolicy, LoraPolicy
-from prmppo.models.prm import PRM_ADAPTER, adapter_active, load_prm, make_head, new_prm, save_prm
+from conftest import save_perturbed_prm
+from prmppo.models.prm import PRM_ADAPTER, adapter_active, load_prm, make_head
 from prmppo.models.tiny import build_char_tokenizer
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -126,13 +127,7 @@ def test_modules_to_save_refuses_unknown_and_tied_modules():
 def _saved_prm(prm_dir) -> torch.Tensor:
     """Save a PRM with non-trivial (perturbed) adapter weights on `_model()` to `prm_dir`; returns its
     LM logits [3, 10, 32] on `_inputs()` with the `prm` adapter on."""
-    peft_model = new_prm(_model(), r=4, alpha=8, target_modules=TARGETS, init_seed=0)
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in peft_model.parameters():
-            if p.requires_grad:
-                p.add_(0.3 * torch.randn(p.shape, generator=generator))
-    save_prm(prm_dir, peft_model, make_head("classifier", 32, None))
+    peft_model = save_perturbed_prm(_model(), prm_dir, make_head("classifier", 32, None), TARGETS)
     ids, att, pos = _inputs()
     with torch.no_grad():
         return peft_model(input_ids=ids, attention_mask=att, position_ids=pos).logits

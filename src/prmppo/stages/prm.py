@@ -55,7 +55,7 @@ from prmppo.stages.prm_labels import (PolicySampler, StepExample, corrupt_at_ran
 log = logging.getLogger("prmppo")
 AGGREGATIONS = ("min", "product", "mean", "last")
 
-__all__ = ["ensure_prm", "evaluate_prm", "make_step_labels", "run_prm_stage", "train_prm"]
+__all__ = ["ensure_prm", "evaluate_prm", "make_step_labels", "run", "train_prm"]
 
 
 @dataclass
