@@ -3,8 +3,8 @@
 A reward that the policy learns to hack raises the training reward while real accuracy falls;
 the canary measures the real thing on the same problems each time, appends one JSON line per
 check to `<run_dir>/canary.jsonl`, and raises an alarm when accuracy falls more than `max_drop`
-below the best seen so far. On an alarm, `stages/ppo.py` pins the checkpoint of the best check
-against pruning (when the best check fell on a checkpoint boundary).
+below the best seen so far. On an alarm, the checkpoint keeper (`ppo/checkpoint.py`) pins the
+checkpoint of the best check against pruning (when the best check fell on a checkpoint boundary).
 """
 
 from __future__ import annotations

@@ -4,14 +4,16 @@
     python -m prmppo stage=ppo arm=orm ppo.kl_coef=0.04 rollout.sync=adapter
     python -m prmppo stage=ppo debug=smoke                 # seconds: 2 iterations on tiny shapes
 
-Runs the launch gates first (`guards/gates.py`: verifier receipt, topology, EOS; their findings
-go into the banner) before any policy weights load, builds (and logs) the components, starts the
-rollout worker process on the SFT checkpoint, writes `banner.json`, runs `ppo.iterations`
-iterations of `PPOTrainer`, saves the final policy as an HF-layout checkpoint (also published as
-the stage's artifact for `eval`), and writes `stage_result.json` atomically, with the alarms of
-the ratio tripwire and the canary (`guards/tripwires.py`, `guards/canary.py`) under
-`summary.alarms`. The SFT checkpoint for the same config is reused, or trained first when there
-is none.
+Composition only: the launch gates (`guards/gates.py`: verifier receipt, topology, engine, step
+scores, EOS, reference == base; their findings go into the banner) run before any policy weights
+load; then the components are built whole (policy, reward with its step scorer, weight sync,
+rollout worker on the SFT checkpoint, trainer), `banner.json` is written, and the outer loop
+(`ppo/run.py`) runs `ppo.iterations` iterations of `PPOTrainer` with the monitors
+(`guards/monitors.py`) and the checkpoint keeper (`ppo/checkpoint.py`). The final policy is saved
+as an HF-layout checkpoint (also published as the stage's artifact for `eval`), and
+`stage_result.json` is written atomically, with the alarms of the ratio tripwire and the canary
+under `summary.alarms`. The SFT checkpoint (and, for a learned-PRM reward, the PRM) for the same
+config is reused, or made first when there is none.
 
 Test accuracy during PPO: before the first iteration, every `eval.every` iterations and after the
 last, greedy and sampled accuracy on the first `eval.during_ppo_problems` test problems, logged as
