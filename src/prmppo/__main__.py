@@ -23,9 +23,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from prmppo.app import run
 from prmppo.config.paths import conf_dir
 from prmppo.config.schema import register_schemas
 from prmppo.errors import EXIT_REFUSED, EXIT_STOPPED, PrmppoError, StopRequested
+from prmppo.sweep import objective_value, run_sweep_job, warn_inert_overrides
 
 # the packaged config (`prmppo.conf`, built from the repo's conf/), wherever prmppo is installed
 CONF_DIR = str(conf_dir())
@@ -35,9 +37,6 @@ register_schemas()
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> float:
-    from prmppo.app import run
-    from prmppo.sweep import objective_value, run_sweep_job, warn_inert_overrides
-
     hydra_cfg = HydraConfig.get()
     warn_inert_overrides(cfg, list(hydra_cfg.overrides.task))
     try:

@@ -22,8 +22,13 @@ import sys
 from pathlib import Path
 
 import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from prmppo.errors import PrmppoError
+from prmppo.rollout.client import probe_engine_python, resolve_python
+from prmppo.rollout.hf_engine import left_pad
+from prmppo.rollout.worker import ENGINE_PACKAGES
 
 
 class GateError(PrmppoError):
@@ -122,9 +127,6 @@ def check_rollout_engine(engine: str, python: str, head_dim: int | None, head_di
     attention head size (`head_dim`, when known; `head_dim_source` says where it came from) must be
     one its CPU attention kernels support.
     """
-    from prmppo.rollout.client import probe_engine_python, resolve_python
-    from prmppo.rollout.worker import ENGINE_PACKAGES
-
     if engine == "hf" and not python:
         return {"engine": engine, "python": sys.executable}
     interpreter = resolve_python(python)
@@ -217,8 +219,6 @@ def check_trainable_modules(modules_to_save: list[str], architecture: dict | Non
         return {"modules_to_save": []}
     if architecture is None:
         return {"modules_to_save": list(modules_to_save), "checked": False}
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config_dict = dict(architecture)
     model_type = config_dict.pop("model_type")
     try:
@@ -254,8 +254,6 @@ REFERENCE_REL_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7, torch.f
 def reference_probe(model, tokenizer, prompts: list[str]) -> dict:
     """The probe batch for `check_reference` and the base model's logits on it: call with the freshly
     loaded model, before the policy wraps it. Returns `check_reference`'s keyword arguments."""
-    from prmppo.rollout.hf_engine import left_pad
-
     if not prompts:
         raise GateError("reference check: no probe prompts; pass one or more formatted task prompts")
     parameter = next(model.parameters())
@@ -270,8 +268,6 @@ def reference_probe(model, tokenizer, prompts: list[str]) -> dict:
 
 def _adapter_names(model) -> list[str]:
     """Names of the peft adapters injected into `model`'s layers (on or off)."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
     return sorted({name for module in model.modules() if isinstance(module, BaseTunerLayer)
                    for attribute in module.adapter_layer_names for name in getattr(module, attribute).keys()})
 

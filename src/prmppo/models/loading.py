@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from prmppo.errors import PrmppoError
 
@@ -88,8 +89,6 @@ def _tokenizer_json_vocab_size(path: Path) -> int:
 
 def load_tokenizer(path: str | Path):
     """The directory's tokenizer, with a pad token (EOS doubles as pad when none is defined)."""
-    from transformers import AutoTokenizer
-
     check_model_dir(path)
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     if tokenizer.eos_token_id is None:
@@ -101,8 +100,6 @@ def load_tokenizer(path: str | Path):
 
 def load_model(path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu"):
     """The directory's causal LM on `device` in `dtype`, in eval mode."""
-    from transformers import AutoModelForCausalLM
-
     check_model_dir(path)
     if dtype not in DTYPES:
         raise ModelDirError(f"model.dtype={dtype!r} is not one of {', '.join(DTYPES)}")

@@ -22,6 +22,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from peft import LoraConfig, get_peft_model
+from peft.tuners.lora import LoraLayer
+from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
 
 POLICY_ADAPTER = "policy"
@@ -33,9 +37,6 @@ def adapters_off(model: nn.Module):
     `PeftModel.from_pretrained`, which keeps no handle here) switched off. Restores each layer's
     on/off state and every parameter's requires_grad flag afterwards (peft's `enable_adapters`
     marks the active adapter trainable again). A model without adapter layers runs unchanged."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-    from peft.utils.other import AuxiliaryTrainingWrapper
-
     layers = [m for m in model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
     was_off = [layer.disable_adapters for layer in layers]
     flags = [(p, p.requires_grad) for p in model.parameters()]
@@ -140,8 +141,6 @@ class LoraPolicy(_PolicyBase):
     def __init__(self, base_model: nn.Module, detach_value_hidden: bool, critic: bool, r: int = 8,
                  alpha: int = 16, dropout: float = 0.0, target_modules: list[str] | None = None, init_seed: int = 0,
                  modules_to_save: list[str] | None = None, modules_to_save_lr: float | None = None):
-        from peft import LoraConfig, get_peft_model
-
         modules_to_save = list(modules_to_save or [])
         names = [name for name, _ in base_model.named_modules()]
         for wanted in modules_to_save:  # peft would skip a name that matches nothing, silently
@@ -192,8 +191,6 @@ class LoraPolicy(_PolicyBase):
         Computed beside the base (W + scale * B @ A per adapted layer) rather than with peft's
         in-place merge/unmerge, which would leave float rounding drift in the reference weights.
         """
-        from peft.tuners.lora import LoraLayer
-
         base = self.model.get_base_model()
         merged: dict[str, torch.Tensor] = {}
         for name, module in base.named_modules():

@@ -36,9 +36,12 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from prmppo.rewards.steps import StepBoundaries, align_step_labels
+from prmppo.rollout.hf_engine import find_adapter_dir
 
 PRM_ADAPTER = "prm"
 HEAD_TYPES = ("classifier", "label_tokens")
@@ -96,16 +99,12 @@ def make_head(head_type: str, hidden_size: int, tokenizer, good_token: str = "+"
 
 
 def _lora_config(r: int, alpha: int, target_modules: list[str]):
-    from peft import LoraConfig
-
     return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(target_modules),
                       bias="none", task_type="CAUSAL_LM")
 
 
 def new_prm(base_model: nn.Module, *, r: int, alpha: int, target_modules: list[str], init_seed: int = 0):
     """A PeftModel whose only adapter is a fresh, trainable `prm` adapter on `base_model`."""
-    from peft import get_peft_model
-
     with torch.random.fork_rng(devices=[]):  # peft draws LoRA A from the global generator
         torch.manual_seed(init_seed)
         return get_peft_model(base_model, _lora_config(r, alpha, target_modules), adapter_name=PRM_ADAPTER)
@@ -201,8 +200,6 @@ class OracleStepScorer:
 
 def save_prm(out_dir: str | Path, peft_model, head: nn.Module) -> Path:
     """Write the `prm` adapter, the head and `prm_meta.json` into `out_dir` (safetensors only)."""
-    from safetensors.torch import save_file
-
     out_dir = Path(out_dir)
     peft_model.save_pretrained(out_dir, selected_adapters=[PRM_ADAPTER], safe_serialization=True)
     save_file({k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}, str(out_dir / HEAD_FILE))
@@ -218,11 +215,6 @@ def load_prm(prm_dir: str | Path, model: nn.Module, tokenizer) -> tuple[nn.Modul
     """(peft_model, head): the frozen `prm` adapter added to `model` (a PeftModel, e.g. the
     policy's, whose active adapter and trainable flags are left as they were) or wrapped around
     it (a plain model), and the frozen head on the model's device."""
-    from peft import PeftModel
-    from safetensors.torch import load_file
-
-    from prmppo.rollout.hf_engine import find_adapter_dir
-
     prm_dir = Path(prm_dir)
     if not (prm_dir / META_FILE).is_file():
         raise FileNotFoundError(f"{prm_dir / META_FILE} is missing: {prm_dir} is not a PRM made by the prm stage")

@@ -24,6 +24,8 @@ import json
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast
 
 from prmppo.models.loading import DTYPES, check_model_dir
 
@@ -38,9 +40,6 @@ def build_char_tokenizer(alphabet: str):
     A BPE model without merges maps every character of the (single, un-pretokenized) input to
     its own id; `Fuse` decodes by plain concatenation, so spaces and newlines round-trip.
     """
-    from tokenizers import Tokenizer, decoders, models, processors
-    from transformers import PreTrainedTokenizerFast
-
     chars = sorted(set(alphabet))
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     vocab.update({ch: len(SPECIAL_TOKENS) + i for i, ch in enumerate(chars)})
@@ -60,9 +59,6 @@ def build_bpe_tokenizer(texts, vocab_size: int):
     texts in their order, so the same texts give the same tokenizer. Special tokens and BOS as in
     `build_char_tokenizer`; decoding is exact (no clean-up of spaces before punctuation).
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
     smallest = len(SPECIAL_TOKENS) + BYTE_ALPHABET
     if vocab_size <= smallest:
         raise ValueError(f"model.bpe_vocab_size={vocab_size} leaves no room for merges: it must be > {smallest} "
@@ -129,8 +125,6 @@ class TinyModelSource:
         if (out_dir / "config.json").exists():
             check_model_dir(out_dir)
             return out_dir
-        from transformers import MistralConfig, MistralForCausalLM
-
         tokenizer, kind = self.build_tokenizer(task)
         config = MistralConfig(
             vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,

@@ -24,10 +24,12 @@ import shutil
 from pathlib import Path
 
 import torch
+from peft import set_peft_model_state_dict
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from prmppo.errors import PrmppoError
 from prmppo.logger import write_json_atomic
+from prmppo.models.policy import POLICY_ADAPTER
 
 MARKER = "checkpoint.json"
 FORMAT_VERSION = 2  # 2: fp32 master weights in optim.pt, the critic optional
@@ -54,10 +56,6 @@ def _save_weights(out_dir: Path, policy) -> None:
 
 def _load_weights(ckpt_dir: Path, policy) -> None:
     if _is_lora(policy):
-        from peft import set_peft_model_state_dict
-
-        from prmppo.models.policy import POLICY_ADAPTER
-
         files = sorted((ckpt_dir / "adapter").rglob("adapter_model.safetensors"))
         if len(files) != 1:
             raise CheckpointError(f"{ckpt_dir}/adapter holds {len(files)} adapter_model.safetensors files, "

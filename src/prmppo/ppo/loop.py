@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from prmppo.errors import PrmppoError
 from prmppo.guards.tripwires import SkipBudget
@@ -367,8 +368,6 @@ def advantage_by_quarter(advantages: torch.Tensor, mask: torch.Tensor, outcome: 
 
 
 def save_value_head(policy, path: Path) -> None:
-    from safetensors.torch import save_file
-
     if policy.value_head is None:
         return  # no critic under a group baseline
     save_file({k: v.detach().cpu().contiguous() for k, v in policy.value_head.state_dict().items()}, str(path))

@@ -125,6 +125,8 @@ class HFEngine:
         return self._model
 
     def _load_hf_dir(self, model_dir: str) -> torch.nn.Module:
+        # imported here: the vLLM engine environment imports this module (find_adapter_dir) and
+        # need not have transformers or peft of the trainer's versions
         from transformers import AutoModelForCausalLM
 
         LOG.info("loading HF weights from %s (dtype=%s, device=%s)", model_dir, self.dtype, self.device)
@@ -171,7 +173,7 @@ class HFEngine:
         self._resident = "checkpoint"
 
     def _load_adapter(self, spec: WeightsSpec) -> None:
-        from peft import PeftModel
+        from peft import PeftModel  # here, not at the top: see _load_hf_dir
 
         adapter_dir = find_adapter_dir(spec.path)
         if self._resident != "base":  # an adapter is trained against the base, not a checkpoint
