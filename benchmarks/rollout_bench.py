@@ -67,7 +67,8 @@ def build_policy(work: Path):
     task = build(cfg.task, "task")
     model_dir = build(cfg.model, "model").materialize(task, work / "model")
     tokenizer = load_tokenizer(model_dir)
-    policy = build(cfg.lora, "policy", base_model=load_model(model_dir, "float32", "cpu"), detach_value_hidden=True)
+    policy = build(cfg.lora, "policy", base_model=load_model(model_dir, "float32", "cpu"), detach_value_hidden=True,
+                   critic=False)  # only its weights are synced here
     return model_dir, tokenizer, task, policy, cfg.lora.r
 
 
