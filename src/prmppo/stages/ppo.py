@@ -147,14 +147,14 @@ def early_gates(cfg: DictConfig, task) -> dict:
 
     Config validation ran in `app.run`; horizon consistency runs when `PPOTrainer` is built.
     """
-    topology = cfg.topology
+    topology, reward = cfg.topology, build(cfg.reward, "reward", seed=cfg.seed)
     return {"verifier_receipt": verifier_receipt(task, seed=cfg.seed),
             "topology": check_topology(topology.train_device, topology.engine_device, topology.train_world_size,
                                        topology.colocated),
             "rollout_engine": check_rollout_engine(cfg.rollout.engine, cfg.rollout.python,
                                                    *_model_head_dim(cfg.model)),
-            "step_scorer": check_step_scorer(task, build(cfg.reward, "reward", seed=cfg.seed)),
-            "prm_labels": check_label_source(task, cfg.prm_train.label_source, needed=needs_learned_prm(cfg)),
+            "step_scorer": check_step_scorer(task, reward),
+            "prm_labels": check_label_source(task, cfg.prm_train.label_source, needed=reward.needs_learned_prm),
             "trainable_modules": check_trainable_modules(list(cfg.lora.get("modules_to_save") or []),
                                                          *_model_architecture(cfg.model))}
 
