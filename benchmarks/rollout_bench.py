@@ -84,8 +84,13 @@ class Bench:
     """One worker per engine, and the request helpers both share."""
 
     def __init__(self, args, model_dir: Path, tokenizer, task, lora_rank: int, work: Path):
+        from prmppo.config.schema import RolloutConfig
         from prmppo.rollout.client import RolloutClient
         from prmppo.rollout.protocol import WeightsSpec
+
+        # the worker timeouts a run gets by default
+        timeouts = {key: getattr(RolloutConfig, key)
+                    for key in ("startup_timeout_s", "request_timeout_s", "heartbeat_timeout_s")}
 
         self.args, self.tokenizer = args, tokenizer
         problems = task.problems("test")[: args.prompts]
@@ -93,9 +98,10 @@ class Bench:
         self.ids = 0
         hf_env = dict(os.environ, **({"OMP_NUM_THREADS": str(args.hf_threads)} if args.hf_threads else {}))
         self.clients = {
-            "hf": RolloutClient(work / "spool-hf", "hf", model_dir, work / "worker-hf.log", env=hf_env),
+            "hf": RolloutClient(work / "spool-hf", "hf", model_dir, work / "worker-hf.log", env=hf_env,
+                                **timeouts),
             "vllm": RolloutClient(work / "spool-vllm", "vllm", model_dir, work / "worker-vllm.log",
-                                  python=args.vllm_python, startup_timeout_s=600,
+                                  python=args.vllm_python, **{**timeouts, "startup_timeout_s": 600},
                                   engine_options={"max_lora_rank": lora_rank,
                                                   "gpu_memory_utilization": args.gpu_memory_utilization}),
         }

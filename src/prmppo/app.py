@@ -17,7 +17,6 @@ from pathlib import Path
 from omegaconf import DictConfig
 from transformers.utils import logging as hf_logging
 
-from prmppo.config.build import check_targets
 from prmppo.config.validate import validate_config
 from prmppo.stages import STAGES
 
@@ -26,8 +25,7 @@ log = logging.getLogger("prmppo")
 
 def run(cfg: DictConfig) -> dict:
     """Validate `cfg` and run the stage it names; returns the stage's result summary."""
-    validate_config(cfg)
-    check_targets(cfg)
+    validate_config(cfg)  # also refuses a `_target_` outside the allowed packages
     stage = STAGES[cfg.stage.name]  # validate_config refused stages without a runner
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     hf_logging.disable_progress_bar()

@@ -11,6 +11,10 @@ class PrmppoError(Exception):
     """A refusal with a sentence that names what is wrong and what would be valid."""
 
 
+class ConfigError(PrmppoError):
+    """A config that cannot run; the message lists every problem found."""
+
+
 class StopRequested(Exception):
     """A coordinated stop finished cleanly: a checkpoint is saved and the run can be resumed.
 

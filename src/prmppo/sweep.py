@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from prmppo.app import run
 from prmppo.config.validate import inert_keys
-from prmppo.errors import PrmppoError, StopRequested
+from prmppo.errors import ConfigError, PrmppoError, StopRequested
 from prmppo.logger import write_json_atomic
 from prmppo.stages.common import write_stage_result
 
@@ -60,8 +60,11 @@ def override_keys(overrides: list[str]) -> dict[str, str]:
 
 def warn_inert_overrides(cfg: DictConfig, overrides: list[str]) -> list[str]:
     """Warn about overridden keys that this config never reads (a sweep over them repeats one run)."""
-
-    inert = [key for key in override_keys(overrides) if key in inert_keys(cfg)]
+    try:
+        never_read = inert_keys(cfg)
+    except ConfigError:
+        return []  # a reward that cannot be built: validation refuses it with the reason
+    inert = [key for key in override_keys(overrides) if key in never_read]
     for key in inert:
         log.warning("%s has no effect on this run (arm=%s, ppo.advantage_estimator=%s): this config never reads it "
                     "(stage_result.json lists it under inert_keys); prmppo.report does not split groups on it",

@@ -12,7 +12,8 @@ from conftest import REPO, compose_config
 from prmppo.config.build import check_targets
 from prmppo.config.validate import ConfigError, validate_config
 
-GROUPS = sorted(p.name for p in (REPO / "conf").iterdir() if p.is_dir())
+# groups a user picks (debug_model is picked by conf/config.yaml from the debug and model choices)
+GROUPS = sorted(p.name for p in (REPO / "conf").iterdir() if p.is_dir() and p.name != "debug_model")
 
 
 def _options(group: str) -> list[str]:
@@ -44,6 +45,16 @@ def test_every_option_composes_and_validates(group, option):
             validate_config(cfg)
     else:
         validate_config(cfg)
+
+
+def test_debug_smoke_composes_with_either_model_source():
+    tiny = compose_config(["debug=smoke"])
+    assert (tiny.model.hidden_size, tiny.model.num_hidden_layers, tiny.ppo.iterations) == (32, 2, 2)
+    hf = compose_config(["debug=smoke", "model=hf", "model.path=/nonexistent/checkpoint"])
+    assert set(hf.model) == {"_target_", "path", "dtype"} and hf.ppo.iterations == 2
+    validate_config(hf)
+    # the command line still wins over the smoke shape
+    assert compose_config(["debug=smoke", "model.hidden_size=48"]).model.hidden_size == 48
 
 
 @pytest.mark.parametrize("arm", ["orm", "prm"])

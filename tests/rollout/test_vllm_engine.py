@@ -17,6 +17,7 @@ peft = pytest.importorskip("peft")
 from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM  # noqa: E402
 
 from prmppo.guards.gates import GateError, check_rollout_engine  # noqa: E402
+from prmppo.config.schema import RolloutConfig  # noqa: E402
 from prmppo.rollout.client import RolloutClient, probe_engine_python  # noqa: E402
 from prmppo.rollout.protocol import EngineStartError, RolloutRequest, RolloutWorkerError, WeightsSpec  # noqa: E402
 
@@ -85,7 +86,9 @@ def make_request(request_id: str, weights: WeightsSpec, seed: int = 0, top_p: fl
 def client(vllm_python, model_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm")
     with RolloutClient(root / "spool", "vllm", model_dirs["base"], root / "worker.log", python=vllm_python,
-                       startup_timeout_s=300, engine_options={"max_lora_rank": 4, "gpu_memory_utilization": 0.1}
+                       startup_timeout_s=300, engine_options={"max_lora_rank": 4, "gpu_memory_utilization": 0.1},
+                       request_timeout_s=RolloutConfig.request_timeout_s,
+                       heartbeat_timeout_s=RolloutConfig.heartbeat_timeout_s
                        ) as running:
         yield running
 
@@ -140,7 +143,8 @@ def test_top_p_below_one_is_refused_and_the_worker_survives(client):
 def test_out_of_memory_at_start_names_the_key_and_the_log(vllm_python, model_dirs, tmp_path):
     # 0.1% of RAM cannot hold even the weights: vLLM finds no memory for its KV cache
     starving = RolloutClient(tmp_path / "spool", "vllm", model_dirs["base"], tmp_path / "worker.log",
-                             python=vllm_python, startup_timeout_s=300,
+                             python=vllm_python, startup_timeout_s=300, request_timeout_s=60,
+                             heartbeat_timeout_s=RolloutConfig.heartbeat_timeout_s,
                              engine_options={"gpu_memory_utilization": 0.001})
     with pytest.raises(EngineStartError) as info:
         starving.start()
@@ -180,7 +184,8 @@ def test_gate_refuses_a_missing_or_vllm_less_engine_environment(tmp_path):
 
 def test_worker_without_vllm_fails_to_start_with_the_cause(tmp_path):
     # the trainer's interpreter has no vllm: the worker must say so, not just exit 1
-    client = RolloutClient(tmp_path / "spool", "vllm", str(tmp_path), tmp_path / "worker.log", startup_timeout_s=120)
+    client = RolloutClient(tmp_path / "spool", "vllm", str(tmp_path), tmp_path / "worker.log", startup_timeout_s=120,
+                           request_timeout_s=60, heartbeat_timeout_s=RolloutConfig.heartbeat_timeout_s)
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(EngineStartError) as info:
         client.start()

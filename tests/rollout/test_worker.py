@@ -20,6 +20,7 @@ import torch
 peft = pytest.importorskip("peft")
 from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM  # noqa: E402
 
+from prmppo.config.schema import RolloutConfig  # noqa: E402
 from prmppo.rollout.client import RolloutClient  # noqa: E402
 from prmppo.rollout.hf_engine import HFEngine  # noqa: E402
 from prmppo.rollout.protocol import (  # noqa: E402
@@ -53,9 +54,9 @@ def model_dirs(tmp_path_factory):
 
 
 def make_client(tmp_path, base_dir, **kwargs) -> RolloutClient:
-    return RolloutClient(
-        tmp_path / "spool", "hf", base_dir, tmp_path / "worker.log", startup_timeout_s=60, **kwargs
-    )
+    timeouts = {"startup_timeout_s": 60, "request_timeout_s": RolloutConfig.request_timeout_s,
+                "heartbeat_timeout_s": RolloutConfig.heartbeat_timeout_s}
+    return RolloutClient(tmp_path / "spool", "hf", base_dir, tmp_path / "worker.log", **{**timeouts, **kwargs})
 
 
 def make_request(request_id: str, weights: WeightsSpec = BASE, seed: int = 0) -> RolloutRequest:
@@ -105,7 +106,8 @@ def test_worker_error_is_raised_and_worker_survives(client, tmp_path):
 
 
 def test_second_client_on_a_live_spool_is_refused(client, model_dirs, tmp_path):
-    intruder = RolloutClient(client.spool.root, "hf", model_dirs[0], tmp_path / "other.log")
+    intruder = RolloutClient(client.spool.root, "hf", model_dirs[0], tmp_path / "other.log", startup_timeout_s=60,
+                             request_timeout_s=60, heartbeat_timeout_s=RolloutConfig.heartbeat_timeout_s)
     with pytest.raises(RolloutWorkerError, match="in use by a live worker"):
         intruder.start()
     assert intruder.pid is None and client.running

@@ -180,6 +180,8 @@ class FullFinetuneConfig(LoraConfig):
 
 @dataclass
 class RolloutConfig:
+    # the client of the worker process that runs the engine (`rollout/client.py`)
+    _target_: str = "prmppo.rollout.client.rollout_client"
     # engine run by the worker process: hf (built-in) | vllm
     engine: str = "hf"
     # interpreter that runs the worker; "" means the trainer's own interpreter

@@ -14,15 +14,15 @@ import os
 from pathlib import Path
 from urllib.parse import urlparse
 
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
-from prmppo.errors import PrmppoError
+from prmppo.config.build import build_quietly, check_targets
+from prmppo.errors import ConfigError
 from prmppo.models.prm import HEAD_TYPES as PRM_HEADS
 from prmppo.ppo.maths import AGG_MODES as LOSS_AGGS, GROUP_ESTIMATORS
 from prmppo.ppo.sync import SYNC_MODES
 from prmppo.rewards.kl import KL_ESTIMATORS
-from prmppo.rewards.prm import SCORER_KINDS as SCORERS
-from prmppo.rewards.transforms import TRANSFORM_NAMES as TRANSFORMS
 
 # the valid choices below are the implementing modules' own lists; these few have no module of their own
 ADVANTAGE_ESTIMATORS = ("gae", *GROUP_ESTIMATORS)
@@ -34,10 +34,6 @@ WANDB_MODES = ("auto", "offline", "online")
 # (stages import this module)
 LABEL_SOURCES = ("checker", "monte_carlo")
 ESTIMATIONS = ("hard", "soft")
-
-
-class ConfigError(PrmppoError):
-    """A config that cannot run; the message lists every problem found."""
 
 
 def _choice(problems: list[str], key: str, value, valid) -> None:
@@ -146,14 +142,13 @@ def _check_rest(problems: list[str], cfg: DictConfig) -> None:
         problems.append(f"lora.modules_to_save={list(cfg.lora.modules_to_save)} with rollout=vllm "
                         f"rollout.sync=adapter: vLLM's LoRA serves only the low-rank factors; use "
                         f"rollout.sync=checkpoint or lora.modules_to_save=[]")
-    if cfg.rollout.sync == "adapter" and cfg.lora._target_.endswith("FullPolicy"):
+    if cfg.rollout.sync == "adapter" and not get_class(cfg.lora._target_).ships_adapter:
         problems.append("rollout.sync=adapter needs LoRA adapters, but lora=none trains the full model: "
                         "use rollout.sync=checkpoint or lora=adapter")
-    if "transform" in cfg.reward:
-        _choice(problems, "reward.transform", cfg.reward.transform, TRANSFORMS)
-        _choice(problems, "reward.scorer", cfg.reward.scorer, SCORERS)
-        if not 0 <= cfg.reward.label_noise <= 1:
-            problems.append(f"reward.label_noise={cfg.reward.label_noise} must be in [0, 1]")
+    try:  # the reward checks its own keys (cheap: no model, no task)
+        build_quietly(cfg.reward, seed=cfg.seed)
+    except ConfigError as err:
+        problems.append(str(err))
     sft = cfg.sft
     if sft.steps < 0:
         problems.append(f"sft.steps={sft.steps} must be >= 0")
@@ -267,19 +262,14 @@ CRITIC_KEYS = ("value_lr", "vf_coef", "value_clip", "lam_actor", "lam_critic", "
 def inert_keys(cfg: DictConfig) -> list[str]:
     """Keys this run's code never reads under its own config, so a sweep over them repeats the same run.
 
-    `reward.eta` is only the `clip` transform's threshold (every other transform, and the ORM arm,
-    ignores it); `reward.min_form_temperature` only matters for `min_form`; the critic's keys only
+    The reward says which of its keys it ignores (`inert_keys`: `reward.eta` is only the `clip`
+    transform's threshold, `reward.min_form_temperature` only `min_form`'s); the critic's keys only
     for `ppo.advantage_estimator=gae` (rloo / grpo build no critic); a KL estimator only when its
     coefficient is above 0. Recorded in `stage_result.json`, warned about when swept, and used by
     `prmppo.report` so that such a key does not split a group.
     """
-    reward, ppo = cfg.reward, cfg.ppo
-    transform = reward.transform if "transform" in reward else None
-    inert = []
-    if transform != "clip":
-        inert.append("reward.eta")
-    if transform is not None and transform != "min_form":
-        inert.append("reward.min_form_temperature")
+    ppo = cfg.ppo
+    inert = [f"reward.{key}" for key in build_quietly(cfg.reward, seed=cfg.seed).inert_keys]
     if ppo.advantage_estimator != "gae":
         inert += [f"ppo.{key}" for key in CRITIC_KEYS]
     if ppo.kl_coef == 0:
@@ -291,6 +281,7 @@ def inert_keys(cfg: DictConfig) -> list[str]:
 
 def validate_config(cfg: DictConfig) -> None:
     """Raise `ConfigError` listing every cross-field problem in `cfg`; return None when it can run."""
+    check_targets(cfg)  # first: the checks below build the reward and look up the policy class
     problems: list[str] = []
     _check_missing(problems, cfg)
     _check_available(problems, cfg)

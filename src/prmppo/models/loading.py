@@ -115,6 +115,16 @@ class HFDirSource:
         self.path = path
         self.dtype = dtype
 
+    def architecture(self) -> tuple[dict | None, str]:
+        """The directory's config.json dict and its path; (None, "") when it is missing or not a
+        transformers config (loading the model refuses that by name)."""
+        config = Path(self.path) / "config.json"
+        try:
+            found = json.loads(config.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None, ""
+        return (found, str(config)) if isinstance(found, dict) and "model_type" in found else (None, "")
+
     def materialize(self, task, out_dir: Path) -> Path:  # noqa: ARG002 - same signature as TinyModelSource
         check_model_dir(self.path)
         return Path(self.path)

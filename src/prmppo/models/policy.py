@@ -138,6 +138,9 @@ class _PolicyBase:
 class LoraPolicy(_PolicyBase):
     """`policy` LoRA adapter on the resident base; reference = base with adapters off."""
 
+    # what `rollout.sync=adapter` needs (checked from the class when the config is validated)
+    ships_adapter = True
+
     def __init__(self, base_model: nn.Module, detach_value_hidden: bool, critic: bool, r: int = 8,
                  alpha: int = 16, dropout: float = 0.0, target_modules: list[str] | None = None, init_seed: int = 0,
                  modules_to_save: list[str] | None = None, modules_to_save_lr: float | None = None):
@@ -157,6 +160,7 @@ class LoraPolicy(_PolicyBase):
             torch.manual_seed(init_seed)
             self.model = get_peft_model(base_model, config, adapter_name=POLICY_ADAPTER)
         self.modules_to_save_lr = modules_to_save_lr
+        self.lora_rank = r  # what an engine serving the adapter must reserve
         self.value_head = _value_head(base_model, detach_value_hidden, critic)
 
     def policy_parameters(self) -> list[nn.Parameter]:
@@ -220,6 +224,9 @@ class LoraPolicy(_PolicyBase):
 
 class FullPolicy(_PolicyBase):
     """Full fine-tuning; a frozen deep copy of the starting model is the reference (adapters off)."""
+
+    ships_adapter = False
+    lora_rank = 0
 
     def __init__(self, base_model: nn.Module, detach_value_hidden: bool, critic: bool):
         self.model = base_model

@@ -112,6 +112,12 @@ class TinyModelSource:
         self.tokenizer = tokenizer
         self.bpe_vocab_size = bpe_vocab_size
 
+    def architecture(self) -> tuple[dict, str]:
+        """The transformers config dict of the model this builds (before its tokenizer fixes the
+        vocabulary size), and where it comes from; launch gates read it before any weights exist."""
+        return {"model_type": "mistral", "vocab_size": 32, "tie_word_embeddings": True, **self.arch}, (
+            "model=tiny: " + ", ".join(f"model.{k}={v}" for k, v in self.arch.items()))
+
     def build_tokenizer(self, task):
         """(the tokenizer for `task`, the kind built: `char` or `bpe`)."""
         kind = pick_tokenizer(self.tokenizer, task, self.arch["max_position_embeddings"])

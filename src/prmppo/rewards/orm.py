@@ -46,6 +46,8 @@ class OutcomeReward:
     # capabilities the runner reads (it never asks which arm it runs)
     needs_step_scorer = False
     needs_learned_prm = False
+    # reward keys this reward never reads (`config.validate.inert_keys`)
+    inert_keys = ("eta",)
 
     def state_dict(self) -> dict[str, Tensor]:
         """Nothing to checkpoint (the PRM reward's holds its noise generator; `ppo/checkpoint.py`)."""

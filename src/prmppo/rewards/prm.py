@@ -72,6 +72,12 @@ class ProcessReward:
         """True when step scores come from a trained PRM (the runner must provide its artifact)."""
         return self.scorer == "learned"
 
+    @property
+    def inert_keys(self) -> tuple[str, ...]:
+        """Reward keys this transform never reads (`config.validate.inert_keys`)."""
+        return (*(() if self.transform == "clip" else ("eta",)),
+                *(() if self.transform == "min_form" else ("min_form_temperature",)))
+
     def state_dict(self) -> dict[str, Tensor]:
         """The noise generator's state, which a resume needs to draw the flips the uninterrupted run would;
         empty when `label_noise` = 0 (nothing is drawn, so there is no state that matters)."""

@@ -1,7 +1,11 @@
 """The trainer's side of the rollout protocol: start, feed, watch and stop the worker process.
 
-    with RolloutClient(spool_dir, "hf", base_model_dir, log_path) as client:
+    with RolloutClient(spool_dir, "hf", base_model_dir, log_path, startup_timeout_s=300,
+                       request_timeout_s=1800, heartbeat_timeout_s=60) as client:
         result = client.generate(RolloutRequest(...))
+
+A run builds it from its `rollout` config node (`rollout_client`, that node's `_target_`), whose
+schema (`config/schema.py RolloutConfig`) holds the timeouts' defaults; the class has none.
 
 `start()` clears stale spool files, launches `python -m prmppo.rollout.worker` (output appended
 to `log_path`) with `python` (the trainer's interpreter, or an engine's own environment: the
@@ -146,12 +150,13 @@ class RolloutClient:
         engine: str,
         base_model_dir: str | os.PathLike,
         log_path: str | os.PathLike,
+        *,
+        startup_timeout_s: float,
+        request_timeout_s: float,
+        heartbeat_timeout_s: float,
         device: str = "cpu",
         dtype: str = "float32",
         python: str = sys.executable,
-        startup_timeout_s: float = 120.0,
-        request_timeout_s: float = 600.0,
-        heartbeat_timeout_s: float = 30.0,
         env: dict[str, str] | None = None,
         engine_options: dict | None = None,
     ) -> None:
@@ -376,3 +381,22 @@ class RolloutClient:
             )
         self._served = result.weights
         return result
+
+
+def rollout_client(engine: str, python: str, sync: str, sync_every_iterations: int, startup_timeout_s: float,
+                   request_timeout_s: float, heartbeat_timeout_s: float, gpu_memory_utilization: float, *,
+                   spool_dir: str | os.PathLike, base_model_dir: str | os.PathLike, log_path: str | os.PathLike,
+                   device: str, dtype: str, lora_rank: int, seed: int) -> RolloutClient:
+    """The (not yet started) worker client a run's `rollout` config node describes: that node's `_target_`.
+
+    The run passes what only it knows (spool, base checkpoint, log, engine device, dtype, the LoRA
+    rank and the seed). vLLM gets its memory share, the seed, and the LoRA rank to reserve when
+    adapters are synced (`sync=adapter`; 0 otherwise). `sync_every_iterations` belongs to the weight
+    sync (`ppo/sync.py WeightSync`), which reads the same node.
+    """
+    del sync_every_iterations
+    options = {} if engine != "vllm" else {"gpu_memory_utilization": gpu_memory_utilization, "seed": seed,
+                                           "max_lora_rank": lora_rank if sync == "adapter" else 0}
+    return RolloutClient(spool_dir, engine, base_model_dir, log_path, startup_timeout_s=startup_timeout_s,
+                         request_timeout_s=request_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
+                         device=device, dtype=dtype, python=resolve_python(python), engine_options=options)

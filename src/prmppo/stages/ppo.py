@@ -39,7 +39,6 @@ weights, where the uninterrupted run would still sample with the last synced one
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time
@@ -63,7 +62,7 @@ from prmppo.ppo.checkpoint import CheckpointKeeper, checkpoint_every
 from prmppo.ppo.loop import PPOTrainer, save_value_head
 from prmppo.ppo.run import PPORun
 from prmppo.ppo.sync import WeightSync
-from prmppo.rollout.client import RolloutClient, resolve_python
+from prmppo.rollout.client import RolloutClient
 from prmppo.rollout.vllm_engine import model_head_dim
 from prmppo.stages.common import open_metrics, train_device, write_stage_result
 from prmppo.stages.sft import ensure_sft
@@ -72,51 +71,18 @@ from prmppo.stages.prm import ensure_prm
 log = logging.getLogger("prmppo")
 
 
-def engine_options(cfg: DictConfig) -> dict:
-    """The engine's own keyword arguments: vLLM's memory share, LoRA rank (0: no LoRA) and seed."""
-    if cfg.rollout.engine != "vllm":
-        return {}
-    rank = cfg.lora.r if cfg.rollout.sync == "adapter" else 0
-    return {"gpu_memory_utilization": cfg.rollout.gpu_memory_utilization, "max_lora_rank": rank, "seed": cfg.seed}
+def _engine(cfg: DictConfig, base_dir: Path, run_dir: Path, lora_rank: int) -> RolloutClient:
+    return build(cfg.rollout, "rollout worker client", spool_dir=run_dir / "spool", base_model_dir=str(base_dir),
+                 log_path=run_dir / "worker.log", device=cfg.topology.engine_device, dtype=cfg.model.dtype,
+                 lora_rank=lora_rank, seed=cfg.seed)
 
 
-def _engine(cfg: DictConfig, base_dir: Path, run_dir: Path) -> RolloutClient:
-    return RolloutClient(
-        spool_dir=run_dir / "spool", engine=cfg.rollout.engine, base_model_dir=str(base_dir),
-        log_path=run_dir / "worker.log", device=cfg.topology.engine_device, dtype=cfg.model.dtype,
-        python=resolve_python(cfg.rollout.python), startup_timeout_s=cfg.rollout.startup_timeout_s,
-        request_timeout_s=cfg.rollout.request_timeout_s, heartbeat_timeout_s=cfg.rollout.heartbeat_timeout_s,
-        engine_options=engine_options(cfg))
-
-
-def _model_head_dim(model: DictConfig) -> tuple[int | None, str]:
-    """The attention head size the model config implies, and where it came from; None when unknown yet."""
-    if "num_attention_heads" in model:  # built from code (model=tiny)
-        return model.hidden_size // model.num_attention_heads, (
-            f"model.hidden_size={model.hidden_size} / model.num_attention_heads={model.num_attention_heads}")
-    config = Path(model.path) / "config.json" if "path" in model else None
-    if config is None or not config.is_file():
-        return None, ""  # the model dir is checked (and refused by name) when it loads
+def _head_dim(architecture: dict | None) -> int | None:
+    """The attention head size a transformers config dict implies; None when it does not say."""
     try:
-        return model_head_dim(json.loads(config.read_text())), str(config)
-    except (json.JSONDecodeError, KeyError, TypeError, ZeroDivisionError):
-        return None, ""
-
-
-def _model_architecture(model: DictConfig) -> tuple[dict | None, str]:
-    """The transformers config dict the model config implies (no weights), and where it came from."""
-    if "num_attention_heads" in model:  # built from code (model=tiny): a Mistral
-        arch = {k: model[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings")}
-        return {"model_type": "mistral", "vocab_size": 32, "tie_word_embeddings": True, **arch}, "model=tiny"
-    config = Path(model.path) / "config.json" if "path" in model else None
-    if config is None or not config.is_file():
-        return None, ""
-    try:
-        found = json.loads(config.read_text())
-    except json.JSONDecodeError:
-        return None, ""
-    return (found, str(config)) if "model_type" in found else (None, "")
+        return None if architecture is None else model_head_dim(architecture)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
 
 
 def banner(cfg: DictConfig, tokenizer, shape, base_dir: Path, policy, gates: dict) -> dict:
@@ -148,15 +114,16 @@ def early_gates(cfg: DictConfig, task) -> dict:
     Config validation ran in `app.run`; horizon consistency runs when `PPOTrainer` is built.
     """
     topology, reward = cfg.topology, build(cfg.reward, "reward", seed=cfg.seed)
+    architecture, architecture_source = build(cfg.model, "model source").architecture()
     return {"verifier_receipt": verifier_receipt(task, seed=cfg.seed),
             "topology": check_topology(topology.train_device, topology.engine_device, topology.train_world_size,
                                        topology.colocated),
             "rollout_engine": check_rollout_engine(cfg.rollout.engine, cfg.rollout.python,
-                                                   *_model_head_dim(cfg.model)),
+                                                   _head_dim(architecture), architecture_source),
             "step_scorer": check_step_scorer(task, reward),
             "prm_labels": check_label_source(task, cfg.prm_train.label_source, needed=reward.needs_learned_prm),
             "trainable_modules": check_trainable_modules(list(cfg.lora.get("modules_to_save") or []),
-                                                         *_model_architecture(cfg.model))}
+                                                         architecture, architecture_source)}
 
 
 def needs_learned_prm(cfg: DictConfig) -> bool:
@@ -240,7 +207,7 @@ def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict,
                               ppo.keep_checkpoints, canary)
     keeper.trim_run_files()
     start = time.time()
-    with _engine(cfg, base_dir, run_dir) as engine, open_metrics(cfg, run_dir, "ppo") as logger, \
+    with _engine(cfg, base_dir, run_dir, policy.lora_rank) as engine, open_metrics(cfg, run_dir, "ppo") as logger, \
             StopFlag(cfg.max_wall_seconds, start) as stop:
         trainer = PPOTrainer(policy=policy, tokenizer=tokenizer, task=task, reward=reward, engine=engine, sync=sync,
                              ppo=ppo, logger=logger, device=train_device(cfg), seed=cfg.seed,

@@ -1,0 +1,49 @@
+"""The rollout worker's client is built from the run's `rollout` node, whose schema holds its defaults."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import compose_config
+from prmppo.config.build import build
+from prmppo.models.loading import HFDirSource
+from prmppo.models.tiny import TinyModelSource
+from prmppo.rollout.client import RolloutClient
+
+
+def _client(tmp_path, overrides):
+    cfg = compose_config(overrides)
+    return cfg, build(cfg.rollout, "rollout worker client", spool_dir=tmp_path / "spool", base_model_dir=str(tmp_path),
+                      log_path=tmp_path / "worker.log", device="cpu", dtype="float32", lora_rank=8, seed=5)
+
+
+def test_client_takes_every_timeout_from_the_config(tmp_path):
+    cfg, client = _client(tmp_path, ["rollout.request_timeout_s=77"])
+    assert isinstance(client, RolloutClient) and client.engine == "hf" and client.engine_options == {}
+    assert (client.startup_timeout_s, client.request_timeout_s, client.heartbeat_timeout_s) == (
+        cfg.rollout.startup_timeout_s, 77, cfg.rollout.heartbeat_timeout_s)
+
+
+def test_client_has_no_timeout_defaults_of_its_own(tmp_path):
+    with pytest.raises(TypeError, match="request_timeout_s"):
+        RolloutClient(tmp_path / "spool", "hf", str(tmp_path), tmp_path / "worker.log", startup_timeout_s=1,
+                      heartbeat_timeout_s=1)
+
+
+@pytest.mark.parametrize("sync,rank", [("checkpoint", 0), ("adapter", 8)])
+def test_vllm_client_reserves_the_lora_rank_only_for_adapter_sync(tmp_path, sync, rank):
+    _, client = _client(tmp_path, ["rollout=vllm", f"rollout.sync={sync}", "rollout.gpu_memory_utilization=0.2",
+                                   "rollout.python=/bin/true"])
+    assert client.engine_options == {"gpu_memory_utilization": 0.2, "seed": 5, "max_lora_rank": rank}
+
+
+def test_model_sources_report_their_architecture_without_weights(tmp_path):
+    tiny, where = TinyModelSource(hidden_size=48, num_attention_heads=3, num_key_value_heads=1).architecture()
+    assert (tiny["model_type"], tiny["hidden_size"], tiny["num_attention_heads"]) == ("mistral", 48, 3)
+    assert "model.hidden_size=48" in where
+    assert HFDirSource(str(tmp_path)).architecture() == (None, "")  # no config.json yet
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 896}))
+    found, where = HFDirSource(str(tmp_path)).architecture()
+    assert found["model_type"] == "qwen2" and where == str(tmp_path / "config.json")
