@@ -1,0 +1,119 @@
+"""How much PRM training the default task needs: PRM configs trained side by side, one table.
+
+Each named config is one `python -m prmppo stage=prm` process (the real stage: labels, training,
+held-out step evaluation, best-of-N), all on the same SFT checkpoint (reused from `--artifacts`,
+or trained once by the first job before the others start), run `--parallel` at a time with
+`--threads` torch threads each. Prints per config: optimizer steps x rows, held-out step
+accuracy, first-error F1, best-of-N with `min` aggregation against majority vote, and the
+labelling and training seconds from the stage's own summary.
+
+    python benchmarks/prm_budget.py --parallel 2 --threads 1                # the built-in grid
+    python benchmarks/prm_budget.py --only default,lr1e-2_s600 topology=gpu  # a subset, on a GPU
+
+Extra arguments are overrides for every job (e.g. `topology=gpu`, `seed=1`). Seconds are only
+comparable between jobs of one run (the jobs share the machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+# name -> prm_train overrides; the default config first
+GRID: dict[str, list[str]] = {
+    "default": [],
+    "s1000": ["prm_train.steps=1000"],
+    "s600": ["prm_train.steps=600"],
+    "lr1e-2_s600": ["prm_train.steps=600", "prm_train.lr=1e-2"],
+    "lr1e-2_s1000": ["prm_train.steps=1000", "prm_train.lr=1e-2"],
+    "lr3e-2_s600": ["prm_train.steps=600", "prm_train.lr=3e-2"],
+    "lr1e-2_s600_r32": ["prm_train.steps=600", "prm_train.lr=1e-2", "prm_train.r=32", "prm_train.alpha=64"],
+    "lr1e-2_s600_neg4": ["prm_train.steps=600", "prm_train.lr=1e-2", "prm_train.negative_weight=4"],
+    "lr1e-2_s1200_b128": ["prm_train.steps=1200", "prm_train.batch_rows=128", "prm_train.lr=1e-2"],
+    "lr1e-2_s2400_b64": ["prm_train.steps=2400", "prm_train.batch_rows=64", "prm_train.lr=1e-2"],
+    "lr1e-2_s600_sp0": ["prm_train.steps=600", "prm_train.lr=1e-2", "prm_train.samples_per_problem=0"],
+    "lr1e-2_s600_sp1": ["prm_train.steps=600", "prm_train.lr=1e-2", "prm_train.samples_per_problem=1"],
+    "lr1e-2_s600_tokens": ["prm_train.steps=600", "prm_train.lr=1e-2", "prm_train.head=label_tokens"],
+    "lr1e-2_s400": ["prm_train.steps=400", "prm_train.lr=1e-2"],
+    "s1500": ["prm_train.steps=1500"],
+    "s1000_b512": ["prm_train.steps=1000", "prm_train.batch_rows=512"],
+    "s2000_b128": ["prm_train.steps=2000", "prm_train.batch_rows=128"],
+    "s1000_sp0": ["prm_train.steps=1000", "prm_train.samples_per_problem=0"],
+    "s1500_sp0": ["prm_train.steps=1500", "prm_train.samples_per_problem=0"],
+    "s1000_neg4": ["prm_train.steps=1000", "prm_train.negative_weight=4"],
+    "s1000_r32": ["prm_train.steps=1000", "prm_train.r=32", "prm_train.alpha=64"],
+    "s1000_lr5e-3": ["prm_train.steps=1000", "prm_train.lr=5e-3"],
+    "s1000_lr1e-3": ["prm_train.steps=1000", "prm_train.lr=1e-3"],
+    "s1000_tokens": ["prm_train.steps=1000", "prm_train.head=label_tokens"],
+}
+
+
+def parse_args() -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="runs/prm_budget", help="one run dir per config below this")
+    parser.add_argument("--artifacts", default="artifacts", help="artifacts dir shared by the jobs")
+    parser.add_argument("--parallel", type=int, default=1, help="jobs at a time")
+    parser.add_argument("--threads", type=int, default=0, help="torch/OMP threads per job; 0: torch's default")
+    parser.add_argument("--only", default="", help="comma-separated config names of GRID")
+    parser.add_argument("--json", default="", help="also write the table as JSON here")
+    parser.add_argument("--sft-ready", action="store_true",
+                        help="the SFT checkpoint is already in --artifacts: start every job at once")
+    return parser.parse_known_args()
+
+
+def run_job(name: str, overrides: list[str], args, extra: list[str]) -> dict:
+    run_dir = Path(args.out).resolve() / name
+    command = [sys.executable, "-m", "prmppo", "stage=prm", f"hydra.run.dir={run_dir}",
+               f"artifacts_dir={Path(args.artifacts).resolve()}", "logger.console=false", *overrides, *extra]
+    env = dict(os.environ)
+    if args.threads:
+        env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    with open(run_dir / "job.log", "w") as log:
+        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+    result_file = run_dir / "stage_result.json"
+    summary = json.loads(result_file.read_text()).get("summary", {}) if result_file.is_file() else {}
+    return {"name": name, "overrides": overrides, "exit_code": code, "wall_seconds": time.time() - start,
+            "summary": summary}
+
+
+def row(result: dict) -> str:
+    s = result["summary"]
+    ev, train, labels = s.get("eval", {}), s.get("train", {}), s.get("labels", {})
+    if result["exit_code"] or not ev:
+        return f"| {result['name']} | failed (exit {result['exit_code']}, see {result['name']}/job.log) |"
+    return (f"| {result['name']} | {ev.get('step_accuracy', float('nan')):.3f} | "
+            f"{ev.get('first_error_f1', float('nan')):.3f} | {ev.get('bon/min_accuracy', float('nan')):.3f} | "
+            f"{ev.get('bon/majority_accuracy', float('nan')):.3f} | {labels.get('positive_fraction', float('nan')):.2f} | "
+            f"{labels.get('seconds', float('nan')):.0f} | {train.get('train_seconds', float('nan')):.0f} | "
+            f"{result['wall_seconds']:.0f} |")
+
+
+def main() -> None:
+    args, extra = parse_args()
+    names = [n for n in args.only.split(",") if n] or list(GRID)
+    unknown = [n for n in names if n not in GRID]
+    if unknown:
+        sys.exit(f"--only names {unknown}, not in {list(GRID)}")
+    # unless --sft-ready, the first job makes (or reuses) the SFT checkpoint alone; the rest reuse it
+    first = [] if args.sft_ready else [run_job(names[0], GRID[names[0]], args, extra)]
+    with ThreadPoolExecutor(max_workers=max(args.parallel, 1)) as pool:
+        results = first + list(pool.map(lambda n: run_job(n, GRID[n], args, extra), names[len(first):]))
+    print("| config | step accuracy | first-error F1 | best-of-N min | majority vote | right-step label fraction | "
+          "label s | train s | job wall s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for result in results:
+        print(row(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
