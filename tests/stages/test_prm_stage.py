@@ -14,7 +14,7 @@ from prmppo.models.tiny import build_char_tokenizer
 from prmppo.rewards.steps import StepBoundaries
 from prmppo.stages.prm import (aggregate, best_of_n_eval, ensure_prm, first_error_f1, run, step_bce,
                                step_level_eval)
-from prmppo.stages.prm_labels import make_step_labels
+from prmppo.models.prm_labels import make_step_labels
 from prmppo.tasks import ArithTask
 from prmppo.tasks.arith import make_problem
 

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from prmppo.config.build import build_quietly, check_targets
 from prmppo.errors import ConfigError
 from prmppo.models.prm import HEAD_TYPES as PRM_HEADS
+from prmppo.models.prm_labels import ESTIMATIONS, LABEL_SOURCES
 from prmppo.ppo.maths import AGG_MODES as LOSS_AGGS, GROUP_ESTIMATORS
 from prmppo.ppo.sync import SYNC_MODES
 from prmppo.rewards.kl import KL_ESTIMATORS
@@ -30,10 +31,6 @@ STAGES = ("sft", "prm", "band", "ppo", "eval", "pipeline")
 ENGINES = ("hf", "vllm")
 DTYPES = ("float32", "bfloat16", "float16")
 WANDB_MODES = ("auto", "offline", "online")
-# prm_train.label_source / estimation: also listed in stages/prm_labels.py, which cannot be imported here
-# (stages import this module)
-LABEL_SOURCES = ("checker", "monte_carlo")
-ESTIMATIONS = ("hard", "soft")
 
 
 def _choice(problems: list[str], key: str, value, valid) -> None:

@@ -6,7 +6,7 @@
     python -m prmppo stage=prm debug=smoke                       # seconds
 
 Steps (`ensure_prm`):
-  1. labels    step-labelled responses from `prm_train.label_source` (stages/prm_labels.py);
+  1. labels    step-labelled responses from `prm_train.label_source` (models/prm_labels.py);
   2. train     a fresh `prm` LoRA adapter + head (models/prm.py) on the frozen SFT backbone:
                binary cross-entropy at step ends (soft labels allowed), AdamW, warmup-cosine;
   3. evaluate  on held-out `test` solutions, half of them corrupted at a random step: step
@@ -49,7 +49,7 @@ from prmppo.ppo.maths import make_scheduler
 from prmppo.rewards.steps import StepBoundaries, align_step_labels
 from prmppo.stages.common import open_metrics, train_device, write_stage_result
 from prmppo.stages.sft import ensure_sft
-from prmppo.stages.prm_labels import (PolicySampler, StepExample, corrupt_at_random_step, encode_solution,
+from prmppo.models.prm_labels import (PolicySampler, StepExample, corrupt_at_random_step, encode_solution,
                                       make_step_labels, row_step_ends)
 
 log = logging.getLogger("prmppo")
