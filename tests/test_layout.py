@@ -78,10 +78,11 @@ def test_the_cycle_finder_finds_a_circle_held_by_a_function_level_import(tmp_pat
 
 def test_every_stage_is_a_module_with_run_and_the_table_lists_them():
     from prmppo.stages import STAGES
-    from prmppo.stages import eval as eval_stage, pipeline, ppo, prm, sft
+    from prmppo.stages import band, eval as eval_stage, pipeline, ppo, prm, sft
 
-    assert STAGES == {"sft": sft.run, "prm": prm.run, "ppo": ppo.run, "eval": eval_stage.run,
+    assert STAGES == {"sft": sft.run, "prm": prm.run, "band": band.run, "ppo": ppo.run, "eval": eval_stage.run,
                       "pipeline": pipeline.run}
-    for module in (sft, prm, ppo):  # the stages that make an artifact others reuse
-        assert callable(getattr(module, {"sft": "ensure_sft", "prm": "ensure_prm", "ppo": "train_ppo"}[
+    for module in (sft, prm, band, ppo):  # the stages that make an artifact others reuse
+        assert callable(getattr(module, {"sft": "ensure_sft", "prm": "ensure_prm", "band": "ensure_band",
+                                         "ppo": "train_ppo"}[
             module.__name__.rpartition(".")[2]]))

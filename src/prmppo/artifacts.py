@@ -2,9 +2,12 @@
 
 The pipeline skips a stage whose artifact exists for the same config: the SFT checkpoint is
 keyed by (seed, task, model, sft), so changing `ppo.kl_coef` reuses it while changing
-`sft.steps` makes a new one. An artifact directory is written under a temp name and renamed
-when complete, with `artifact.json` recording the config sections it was made from; a
-directory without that file is an interrupted write and is never reused.
+`sft.steps` makes a new one. The band file is keyed by the SFT checkpoint's sections and the
+band's measurement keys; `band.enabled` and `band.file` say whether and where PPO reads a band,
+not how one is made, so they are left out of its key (they stay in PPO's). An artifact
+directory is written under a temp name and renamed when complete, with `artifact.json`
+recording the config sections it was made from; a directory without that file is an
+interrupted write and is never reused.
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ from prmppo.logger import write_json_atomic
 ARTIFACT_SECTIONS: dict[str, tuple[str, ...]] = {
     "sft": ("seed", "task", "model", "sft"),
     "prm": ("seed", "task", "model", "sft", "prm_train"),
-    "ppo": ("seed", "task", "model", "sft", "prm_train", "arm", "reward", "lora", "rollout", "ppo"),
+    "band": ("seed", "task", "model", "sft", "band"),
+    "ppo": ("seed", "task", "model", "sft", "prm_train", "arm", "reward", "lora", "rollout", "ppo", "band"),
 }
+# keys of a section left out of one stage's key: they do not change how its artifact is made
+UNKEYED: dict[str, dict[str, tuple[str, ...]]] = {"band": {"band": ("enabled", "file")}}
 MANIFEST = "artifact.json"
 
 
@@ -31,6 +37,8 @@ def artifact_key(cfg: DictConfig, stage: str) -> tuple[str, dict]:
     """(12-hex-digit key, the config sections it hashes) for `stage`'s artifact."""
     sections = {name: OmegaConf.to_container(cfg[name], resolve=True) if isinstance(cfg[name], DictConfig)
                 else cfg[name] for name in ARTIFACT_SECTIONS[stage]}
+    for name, keys in UNKEYED.get(stage, {}).items():
+        sections[name] = {k: v for k, v in sections[name].items() if k not in keys}
     blob = json.dumps(sections, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12], sections
 

@@ -252,6 +252,11 @@ class PPOConfig:
     advantage_estimator: str = "rloo"
     # gae: centre and scale the batch's advantages; rloo/grpo: scale only (they are centred per prompt)
     whiten_advantages: bool = True
+    # DAPO's dynamic filtering, without the resampling: a prompt whose samples the verifier scores all
+    # right or all wrong is dropped from the update (its rows masked out of every loss and its
+    # denominators; counted as ppo/dropped_groups). Reads the outcome, not the reward, so both arms
+    # drop the same groups; needs n_samples_per_prompt >= 2
+    drop_uniform_groups: bool = False
     # ratio clipped to [1 - clip_low, 1 + clip_high]
     clip_low: float = 0.2
     clip_high: float = 0.2
@@ -380,6 +385,35 @@ class PRMTrainConfig:
     max_new_tokens: int = 96
 
 
+# --------------------------------------------------------------------------- band stage
+
+
+@dataclass
+class BandConfig:
+    # PPO draws its prompts from this config's band artifact (stage=band; the pipeline makes it
+    # between PRM and PPO); false = from every train prompt (unless `file` is given)
+    enabled: bool = False
+    # a band file (JSONL rows as stage=band writes them: problem, passes, k, pass_rate, seed,
+    # checkpoint) PPO draws its prompts from; relative to the launch directory; "" = none.
+    # Not together with enabled=true
+    file: str = ""
+    # responses sampled per train prompt to measure its pass rate (passes / k); >= 1
+    k: int = 8
+    # the band kept: prompts whose pass rate lies in [low, high], 0 <= low <= high <= 1. PRIME's
+    # 0.2-0.8: an always-solved prompt gives no signal under a group baseline, a never-solved one
+    # none under an outcome reward
+    low: float = 0.2
+    high: float = 0.8
+    # distinct train prompts measured, the first ones of the `train` split: the cap on the band's size
+    problems: int = 2000
+    # sampling of the measurement: PPO's own by default (temperature > 0, top_p in (0, 1], tokens)
+    temperature: float = "${ppo.temperature}"
+    top_p: float = "${ppo.top_p}"
+    max_new_tokens: int = "${ppo.max_new_tokens}"
+    # responses per rollout-worker request (request_rows // k prompts, at least one, a request)
+    request_rows: int = 256
+
+
 # --------------------------------------------------------------------------- canary
 
 
@@ -428,6 +462,7 @@ class RootConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     prm_train: PRMTrainConfig = field(default_factory=PRMTrainConfig)
     canary: CanaryConfig = field(default_factory=CanaryConfig)
+    band: BandConfig = field(default_factory=BandConfig)
     # experiment name: groups runs in W&B and in reports
     experiment_name: str = "default"
     seed: int = 0

@@ -188,10 +188,28 @@ def _check_prm_train(problems: list[str], prm: DictConfig) -> None:
         problems.append("prm_train.target_modules is empty: the prm adapter needs at least one module name")
 
 
+def _check_band(problems: list[str], cfg: DictConfig) -> None:
+    band = cfg.band
+    _positive(problems, band, "band", "k", "problems", "temperature", "max_new_tokens", "request_rows")
+    if not 0 <= band.low <= band.high <= 1:
+        problems.append(f"band.low={band.low} and band.high={band.high} must satisfy 0 <= low <= high <= 1 "
+                        "(pass rates, e.g. 0.2 and 0.8)")
+    if not 0 < band.top_p <= 1:
+        problems.append(f"band.top_p={band.top_p} must be in (0, 1]")
+    if band.file and band.enabled:
+        problems.append(f"band.file={band.file!r} with band.enabled=true: PPO would have two bands; give the "
+                        "file (band.enabled=false) or use this config's band artifact (band.file='')")
+    if band.enabled and band.problems < cfg.ppo.prompts_per_iteration:
+        problems.append(f"band.problems={band.problems} with band.enabled=true: the band could never hold "
+                        f"ppo.prompts_per_iteration={cfg.ppo.prompts_per_iteration} prompts (one iteration's); "
+                        "measure more prompts")
+    if cfg.ppo.drop_uniform_groups and cfg.ppo.n_samples_per_prompt < 2:
+        problems.append(f"ppo.drop_uniform_groups=true with ppo.n_samples_per_prompt={cfg.ppo.n_samples_per_prompt}: "
+                        "a group of one sample is always uniform, so every group would be dropped; use >= 2")
+
+
 def _check_available(problems: list[str], cfg: DictConfig) -> None:
     """Options whose config exists but whose code does not yet: refused, never silently ignored."""
-    if cfg.stage.name == "band":
-        problems.append("stage=band (pass-rate filtering of prompts) is not available yet")
     if cfg.topology.train_world_size > 1:
         problems.append(f"topology.train_world_size={cfg.topology.train_world_size}: multi-rank (FSDP2) training "
                         "is not available yet: use topology=cpu or topology=gpu")
@@ -254,6 +272,7 @@ def _check_wandb(problems: list[str], logger: DictConfig) -> None:
 
 
 CRITIC_KEYS = ("value_lr", "vf_coef", "value_clip", "lam_actor", "lam_critic", "detach_value_hidden")
+BAND_MEASURE_KEYS = ("k", "low", "high", "problems", "temperature", "top_p", "max_new_tokens", "request_rows")
 
 
 def inert_keys(cfg: DictConfig) -> list[str]:
@@ -262,7 +281,8 @@ def inert_keys(cfg: DictConfig) -> list[str]:
     The reward says which of its keys it ignores (`inert_keys`: `reward.eta` is only the `clip`
     transform's threshold, `reward.min_form_temperature` only `min_form`'s); the critic's keys only
     for `ppo.advantage_estimator=gae` (rloo / grpo build no critic); a KL estimator only when its
-    coefficient is above 0. Recorded in `stage_result.json`, warned about when swept, and used by
+    coefficient is above 0; the band's measurement keys only when a band is measured (`stage=band` or
+    `band.enabled`). Recorded in `stage_result.json`, warned about when swept, and used by
     `prmppo.report` so that such a key does not split a group.
     """
     ppo = cfg.ppo
@@ -273,6 +293,8 @@ def inert_keys(cfg: DictConfig) -> list[str]:
         inert.append("ppo.kl_estimator")
     if ppo.kl_loss_coef == 0:
         inert.append("ppo.kl_loss_estimator")
+    if not (cfg.band.enabled or cfg.stage.name == "band"):
+        inert += [f"band.{key}" for key in BAND_MEASURE_KEYS]
     return inert
 
 
@@ -287,5 +309,6 @@ def validate_config(cfg: DictConfig) -> None:
     _check_task(problems, cfg.task)
     _check_ppo(problems, cfg.ppo)
     _check_prm_train(problems, cfg.prm_train)
+    _check_band(problems, cfg)
     if problems:
         raise ConfigError("invalid config: " + "; ".join(problems))

@@ -2,13 +2,16 @@
 
 One iteration (`PPOTrainer.iteration`) reads like the algorithm:
   1. sample   prompts_per_iteration x n_samples_per_prompt responses from the rollout worker,
-              with the weights it was last synced to;
+              with the weights it was last synced to; prompts cycle through a seeded permutation of
+              the RL prompts (the task's `train` split, or a pass-rate band of it: stages/band.py);
   2. score    outcome verifier + the arm's reward object -> reward terms [B, T] (rewards/terms.py);
   3. assemble policy / reference logprobs and values with no grad; the in-reward KL;
   4. advantages: GAE with decoupled lambdas (lam_actor for advantages, lam_critic for targets;
               rows cut at max_new_tokens bootstrap from the value at the cut), or a group
               baseline (rloo / grpo) that compares each reward term step with step against the
-              prompt's other samples; the in-reward KL stays out of the group statistics;
+              prompt's other samples; the in-reward KL stays out of the group statistics; with
+              `drop_uniform_groups`, the rows of a prompt whose samples the verifier scored all
+              right or all wrong are masked out of the update (every loss and its denominators);
   5. update   ppo_epochs over minibatches of micro-batches, clipped losses, one policy and one
               value optimizer step per minibatch (only the critic during value warmup); the two
               gradients are clipped and checked for finiteness separately;
@@ -18,13 +21,19 @@ The critic exists only for `advantage_estimator=gae`. Old logprobs and the updat
 dropout off, so the first minibatch's ratio is exactly 1 whatever `lora.dropout` says. Written
 for N ranks: loss denominators are explicit minibatch token counts, so gradient accumulation over
 micro-batches (and, later, ranks) gives the exact minibatch mean; only this process talks to the
-rollout worker. Simplifications: one rank, one device.
+rollout worker. A minibatch left without a response token (all its rows dropped) takes no optimizer
+step but still advances the LR schedule, so the schedule ends where the planned policy steps end; an
+iteration whose every group is dropped updates nothing (`ppo/update_skipped`). Simplifications: one
+rank, one device; dropped groups are not resampled (DAPO refills the batch), and their rows still
+go through the forward passes of assemble.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +52,7 @@ from prmppo.rewards.kl import kl_estimate
 from prmppo.rollout.protocol import RolloutRequest
 
 ADAM_BETAS = (0.9, 0.95)
+log = logging.getLogger("prmppo")
 
 
 @dataclass(frozen=True)
@@ -102,7 +112,7 @@ class PPOTrainer:
     """Runs PPO iterations for any arm; components arrive built, settings as values."""
 
     def __init__(self, *, policy, tokenizer, task, reward, engine, sync: WeightSync, ppo, logger,
-                 device: torch.device, seed: int, show_progress: bool = False):
+                 device: torch.device, seed: int, show_progress: bool = False, prompts: list | None = None):
         self.show_progress = show_progress  # a bar over the update's optimizer steps (interactive only)
         self.policy, self.tokenizer, self.task, self.reward = policy, tokenizer, task, reward
         self.engine, self.sync, self.ppo, self.logger = engine, sync, ppo, logger
@@ -124,7 +134,7 @@ class PPOTrainer:
         self.skipped_steps = 0
         self.skip_budget = SkipBudget(ppo.max_consecutive_skipped_steps, ppo.max_skipped_fraction,
                                       ppo.iterations * ppo.ppo_epochs * self.shape.minibatches_per_epoch)
-        self.prompts = task.problems("train")
+        self.prompts = list(prompts) if prompts is not None else task.problems("train")  # the RL prompts
         self.order = torch.randperm(len(self.prompts), generator=torch.Generator().manual_seed(seed))
 
     # ------------------------------------------------------------------ 1. sample
@@ -192,12 +202,13 @@ class PPOTrainer:
         ppo, dev = self.ppo, self.device
         old_lp, ref_lp, values, after = self._forward_no_grad(batch)
         mask = batch.response_mask.to(dev)
+        keep, metrics = self._kept_rows(batch)  # [B]
         kl = kl_estimate(old_lp, ref_lp, ppo.kl_estimator) * mask  # [B, T]
         kl_rewards = -ppo.kl_coef * kl  # [B, T] the in-reward KL, its own term
         total = rewards.total.to(dev) + kl_rewards  # [B, T]
-        metrics = {"ppo/kl_ref": float(maths.masked_sum(kl, mask) / mask.shape[0]),
-                   "rollout/engine_logprob_abs_diff":
-                       float(maths.masked_mean((batch.engine_logprobs.to(dev) - old_lp).abs(), mask))}
+        metrics.update({"ppo/kl_ref": float(maths.masked_sum(kl, mask) / mask.shape[0]),
+                        "rollout/engine_logprob_abs_diff":
+                            float(maths.masked_mean((batch.engine_logprobs.to(dev) - old_lp).abs(), mask))})
         if self.uses_critic:
             values = values * mask  # [B, T]
             truncated = torch.tensor([r == "length" for r in batch.finish_reasons], device=dev)  # [B]
@@ -213,6 +224,7 @@ class PPOTrainer:
             advantages = maths.group_baseline_advantages(terms, mask, ppo.n_samples_per_prompt, ppo.gamma,
                                                          ppo.advantage_estimator)
             advantages = advantages + maths.returns_to_go(kl_rewards, mask, ppo.gamma)  # KL outside the groups
+        mask = mask * keep[:, None]  # [B, T] from here on the update's mask: dropped rows carry nothing
         if ppo.whiten_advantages:
             # GAE: centre and scale; a group baseline has centred each prompt already, so only scale
             # (a shift would push every sample of an all-solved prompt the same way)
@@ -223,6 +235,21 @@ class PPOTrainer:
                            batch.response_ids.to(dev), mask, old_lp, ref_lp, values, advantages, returns,
                            batch.prompt_length)
         return train, metrics
+
+    def _kept_rows(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict]:
+        """[B] 1 for the rows the update learns from, 0 for those of a dropped uniform group, and the
+        share of uniform groups (`rollout/uniform_group_fraction`, with n_samples_per_prompt >= 2)."""
+        n = self.ppo.n_samples_per_prompt
+        keep = torch.ones(len(batch), device=self.device)  # [B]
+        if n < 2:
+            return keep, {}
+        uniform = maths.uniform_groups(batch.outcome, n)  # [G]
+        metrics = {"rollout/uniform_group_fraction": float(uniform.float().mean())}
+        if self.ppo.drop_uniform_groups:
+            keep = (~uniform).repeat_interleave(n).float().to(self.device)
+            metrics.update({"ppo/dropped_groups": float(uniform.sum()),
+                            "ppo/dropped_group_fraction": float(uniform.float().mean())})
+        return keep, metrics
 
     # ------------------------------------------------------------------ 5. update
     def _micro_loss(self, mb: TrainBatch, tokens: float, seqs: float, train_policy: bool):
@@ -259,38 +286,73 @@ class PPOTrainer:
         generator = torch.Generator().manual_seed(self.seed * 7919 + iteration)
         self.policy.train(False)  # dropout off, as when the old logprobs were taken: ratio 1 before any step
         sums: dict[str, float] = {}
-        micro_count, steps = 0, []
+        micro_count, steps, empty = 0, [], 0
         first_ratio = None
         bar = progress(total=ppo.ppo_epochs * shape.minibatches_per_epoch, desc="update", unit="step",
                        enabled=self.show_progress, leave=False)
         for epoch in range(ppo.ppo_epochs):
             perm = torch.randperm(shape.rows_per_iteration, generator=generator)
             for mb_rows in perm.split(ppo.minibatch_rows):
-                mb_all = train.rows(mb_rows.to(train.input_ids.device))
-                tokens = float(mb_all.response_mask.sum())
-                seqs = float((mb_all.response_mask.sum(-1) > 0).sum())
-                for micro in torch.arange(len(mb_rows)).split(ppo.micro_batch_rows):
-                    loss, stats = self._micro_loss(mb_all.rows(micro.to(train.input_ids.device)), tokens, seqs,
-                                                   train_policy)
-                    loss.backward()
-                    if first_ratio is None and train_policy:
-                        first_ratio = (float(stats["ppo/ratio_min"]), float(stats["ppo/ratio_max"]))
-                    for key, value in stats.items():
-                        sums[key] = sums.get(key, 0.0) + float(value)
-                    micro_count += 1
-                steps.append(self._step(train_policy))
+                minibatch = train.rows(mb_rows.to(train.input_ids.device))
+                if minibatch.response_mask.any():
+                    ran, ratio = self._accumulate(minibatch, train_policy, sums)
+                    micro_count += ran
+                    first_ratio = first_ratio or ratio
+                    steps.append(self._step(train_policy))
+                else:  # every row of it belongs to a dropped group: nothing to learn from
+                    self._empty_step(train_policy)
+                    empty += 1
                 bar.update()
         bar.close()
+        if not steps:
+            log.info("ppo iteration %d: every group was dropped (all right or all wrong): no update", iteration)
+        return self._update_metrics(sums, steps, micro_count, first_ratio, empty)
+
+    def _accumulate(self, minibatch: TrainBatch, train_policy: bool, sums: dict) -> tuple[int, tuple | None]:
+        """Backward every micro-batch of `minibatch` that holds a response token, adding their statistics
+        to `sums`; returns (micro-batches run, (ratio min, ratio max) of the first one when training the policy)."""
+        device = minibatch.input_ids.device
+        tokens = float(minibatch.response_mask.sum())
+        seqs = float((minibatch.response_mask.sum(-1) > 0).sum())
+        ran, ratio = 0, None
+        for micro in torch.arange(len(minibatch.input_ids)).split(self.ppo.micro_batch_rows):
+            part = minibatch.rows(micro.to(device))
+            if not part.response_mask.any():  # only rows of dropped groups
+                continue
+            loss, stats = self._micro_loss(part, tokens, seqs, train_policy)
+            loss.backward()
+            if ratio is None and train_policy:
+                ratio = (float(stats["ppo/ratio_min"]), float(stats["ppo/ratio_max"]))
+            for key, value in stats.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+            ran += 1
+        return ran, ratio
+
+    def _update_metrics(self, sums: dict, steps: list[dict], micro_count: int, first_ratio: tuple | None,
+                        empty: int) -> dict:
         metrics = {key: value / (len(steps) if key in _ADDITIVE else max(micro_count, 1))
                    for key, value in sums.items()}
         for key in ("ppo/policy_grad_norm", "value/grad_norm", "ppo/lr"):
             ran = [step[key] for step in steps if key in step]
             if ran:
                 metrics[key] = sum(ran) / len(ran)
-        metrics.update({key: value for key, value in steps[-1].items() if key.startswith("ppo/lr_group")})
+        if steps:
+            metrics.update({key: value for key, value in steps[-1].items() if key.startswith("ppo/lr_group")})
         if first_ratio is not None:
             metrics["ppo/first_minibatch_ratio_dev"] = max(abs(first_ratio[0] - 1), abs(first_ratio[1] - 1))
+        if self.ppo.drop_uniform_groups:
+            metrics.update({"ppo/empty_minibatches": float(empty), "ppo/update_skipped": float(not steps)})
         return metrics
+
+    def _empty_step(self, train_policy: bool) -> None:
+        """A minibatch without a response token: no gradient and no optimizer step, but the LR schedule
+        advances (counted as a policy step), so it still ends where the run's planned policy steps end."""
+        if train_policy:
+            with warnings.catch_warnings():  # deliberate: this schedule step has no optimizer step
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before",
+                                        category=UserWarning)
+                self.scheduler.step()
+            self.policy_steps_taken += 1
 
     def _step(self, train_policy: bool) -> dict:
         """Clip and check each gradient on its own, step what is finite; returns the pre-clip norms and

@@ -227,6 +227,20 @@ def _group_centred(values: Tensor, events: Tensor, group_size: int, mode: str) -
     return torch.where(events, centred, torch.zeros_like(centred))
 
 
+def uniform_groups(outcome: Tensor, group_size: int) -> Tensor:
+    """[G] bool: True for a prompt whose samples the verifier scored all right or all wrong.
+
+    `outcome` is [B] (1 = right), rows prompt-major as in `group_baseline_advantages`. Such a
+    group has no outcome contrast to learn from (DAPO's dynamic sampling, Yu et al. 2025, "DAPO:
+    An Open-Source LLM Reinforcement Learning System at Scale", drops them from the batch).
+    """
+    if outcome.dim() != 1 or group_size < 1 or outcome.shape[0] % group_size:
+        raise ValueError(f"outcome of shape {tuple(outcome.shape)} is not a [B] vector of whole groups "
+                         f"of {group_size}")
+    right = outcome.reshape(-1, group_size) > 0.5  # [G, n]
+    return right.all(-1) | (~right).all(-1)
+
+
 # ---------------------------------------------------------------------------------------------
 # losses
 

@@ -14,6 +14,7 @@ from prmppo.errors import PrmppoError
 from prmppo.evaluation import score
 from prmppo.logger import MetricsLogger, write_json_atomic
 from prmppo.models.loading import load_model, load_tokenizer
+from prmppo.rollout.vllm_engine import model_head_dim
 
 
 def train_device(cfg: DictConfig) -> torch.device:
@@ -22,6 +23,14 @@ def train_device(cfg: DictConfig) -> torch.device:
         raise PrmppoError(f"topology.train_device={cfg.topology.train_device!r} but no CUDA device is visible; "
                           "use topology=cpu")
     return device
+
+
+def head_dim(architecture: dict | None) -> int | None:
+    """The attention head size a transformers config dict implies; None when it does not say."""
+    try:
+        return None if architecture is None else model_head_dim(architecture)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
 
 
 def open_metrics(cfg: DictConfig, run_dir: Path, stage: str) -> MetricsLogger:

@@ -3,6 +3,8 @@
     python -m prmppo stage=ppo arm=orm                     # control arm
     python -m prmppo stage=ppo arm=orm ppo.kl_coef=0.04 rollout.sync=adapter
     python -m prmppo stage=ppo debug=smoke                 # seconds: 2 iterations on tiny shapes
+    python -m prmppo stage=ppo band.enabled=true           # prompts from this config's pass-rate band
+    python -m prmppo stage=ppo band.file=<band.jsonl> ppo.drop_uniform_groups=true
 
 Composition only: the launch gates (`guards/gates.py`: verifier receipt, topology, engine, step
 scores, EOS, reference == base; their findings go into the banner) run before any policy weights
@@ -14,6 +16,11 @@ as an HF-layout checkpoint (also published as the stage's artifact for `eval`), 
 `stage_result.json` is written atomically, with the alarms of the ratio tripwire and the canary
 under `summary.alarms`. The SFT checkpoint (and, for a learned-PRM reward, the PRM) for the same
 config is reused, or made first when there is none.
+
+RL prompts: every `train` problem, or a pass-rate band of them (`stages/band.py`): `band.file`, or
+with `band.enabled` this config's band artifact (measured after SFT when missing). A band that
+exists is read and checked with the early gates, before any weights; `banner.json` records its
+file, size and pass-rate range under `band`.
 
 Test accuracy during PPO: before the first iteration, every `eval.every` iterations and after the
 last, greedy and sampled accuracy on the first `eval.during_ppo_problems` test problems, logged as
@@ -63,8 +70,8 @@ from prmppo.ppo.loop import PPOTrainer, save_value_head
 from prmppo.ppo.run import PPORun
 from prmppo.ppo.sync import WeightSync
 from prmppo.rollout.client import RolloutClient
-from prmppo.rollout.vllm_engine import model_head_dim
-from prmppo.stages.common import open_metrics, train_device, write_stage_result
+from prmppo.stages.band import Band, existing_band, ppo_band
+from prmppo.stages.common import head_dim, open_metrics, train_device, write_stage_result
 from prmppo.stages.sft import ensure_sft
 from prmppo.stages.prm import ensure_prm
 
@@ -77,15 +84,7 @@ def _engine(cfg: DictConfig, base_dir: Path, run_dir: Path, lora_rank: int) -> R
                  lora_rank=lora_rank, seed=cfg.seed)
 
 
-def _head_dim(architecture: dict | None) -> int | None:
-    """The attention head size a transformers config dict implies; None when it does not say."""
-    try:
-        return None if architecture is None else model_head_dim(architecture)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
-        return None
-
-
-def banner(cfg: DictConfig, tokenizer, shape, base_dir: Path, policy, gates: dict) -> dict:
+def banner(cfg: DictConfig, tokenizer, shape, base_dir: Path, policy, gates: dict, band: Band | None) -> dict:
     return {
         "arm": cfg.arm.name, "experiment": cfg.experiment_name, "seed": cfg.seed,
         "shape": {**shape.__dict__, "prompts_per_iteration": cfg.ppo.prompts_per_iteration,
@@ -101,6 +100,7 @@ def banner(cfg: DictConfig, tokenizer, shape, base_dir: Path, policy, gates: dic
         "derived_ids": {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
                         "bos_token_id": tokenizer.bos_token_id},
         "base_checkpoint": str(base_dir),
+        "band": band.summary() if band is not None else None,
         "trainable_policy_parameters": sum(p.numel() for p in policy.policy_parameters()),
         "gates": gates,
     }
@@ -119,7 +119,7 @@ def early_gates(cfg: DictConfig, task) -> dict:
             "topology": check_topology(topology.train_device, topology.engine_device, topology.train_world_size,
                                        topology.colocated),
             "rollout_engine": check_rollout_engine(cfg.rollout.engine, cfg.rollout.python,
-                                                   _head_dim(architecture), architecture_source),
+                                                   head_dim(architecture), architecture_source),
             "step_scorer": check_step_scorer(task, reward),
             "prm_labels": check_label_source(task, cfg.prm_train.label_source, needed=reward.needs_learned_prm),
             "trainable_modules": check_trainable_modules(list(cfg.lora.get("modules_to_save") or []),
@@ -173,11 +173,16 @@ def _test_eval(cfg: DictConfig, task, tokenizer, policy):
 
 
 def _summary(trainer, ppo, history: list[dict], alarms: list[dict], pinned: list[str], start: float) -> dict:
-    return {"iterations": ppo.iterations, "train_seconds": time.time() - start,
-            "policy_steps": trainer.policy_steps_taken, "planned_policy_steps": trainer.shape.policy_steps,
-            "skipped_steps": trainer.skipped_steps, "alarms": alarms, "pinned_checkpoints": pinned,
-            "last_rollout_accuracy": history[-1]["rollout/accuracy"] if history else None,
-            "max_engine_logprob_abs_diff": max((h["rollout/engine_logprob_abs_diff"] for h in history), default=None)}
+    summary = {"iterations": ppo.iterations, "train_seconds": time.time() - start,
+               "policy_steps": trainer.policy_steps_taken, "planned_policy_steps": trainer.shape.policy_steps,
+               "skipped_steps": trainer.skipped_steps, "alarms": alarms, "pinned_checkpoints": pinned,
+               "last_rollout_accuracy": history[-1]["rollout/accuracy"] if history else None,
+               "max_engine_logprob_abs_diff": max((h["rollout/engine_logprob_abs_diff"] for h in history),
+                                                  default=None)}
+    if ppo.drop_uniform_groups:  # over this launch's iterations
+        summary["dropped_groups"] = sum(h["ppo/dropped_groups"] for h in history)
+        summary["updates_skipped"] = sum(h["ppo/update_skipped"] for h in history)
+    return summary
 
 
 def _policy(cfg: DictConfig, task, tokenizer, base_dir: Path):
@@ -190,10 +195,12 @@ def _policy(cfg: DictConfig, task, tokenizer, base_dir: Path):
     return policy, probe
 
 
-def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict, prm_dir: Path | None) -> dict:
-    """Run PPO from `base_dir` (with the PRM at `prm_dir` when the reward needs one), or resume from the newest
-    complete checkpoint in `run_dir`; returns the summary (final checkpoint path included). A coordinated stop
-    saves, closes the worker, writes `stage_result.json` with `stopped` and raises `StopRequested` (exit 3)."""
+def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict, prm_dir: Path | None,
+              band: Band | None = None) -> dict:
+    """Run PPO from `base_dir` (with the PRM at `prm_dir` when the reward needs one, on the prompts of `band`
+    when given), or resume from the newest complete checkpoint in `run_dir`; returns the summary (final
+    checkpoint path included). A coordinated stop saves, closes the worker, writes `stage_result.json` with
+    `stopped` and raises `StopRequested` (exit 3)."""
     gates = dict(gates)
     tokenizer = load_tokenizer(base_dir)
     gates["eos"] = derive_eos(base_dir, tokenizer)
@@ -211,7 +218,7 @@ def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict,
             StopFlag(cfg.max_wall_seconds, start) as stop:
         trainer = PPOTrainer(policy=policy, tokenizer=tokenizer, task=task, reward=reward, engine=engine, sync=sync,
                              ppo=ppo, logger=logger, device=train_device(cfg), seed=cfg.seed,
-                             show_progress=cfg.logger.console)
+                             show_progress=cfg.logger.console, prompts=None if band is None else band.problems)
         gates["horizon"] = {"policy_optimizer_steps": trainer.shape.policy_steps}  # checked by PPOTrainer
         first = keeper.resume(policy, trainer, sync)
         if first:
@@ -219,12 +226,14 @@ def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict,
                      trainer.policy_steps_taken)
         tripwire, gates["ratio_tripwire"] = engine_gap_tripwire(trainer, ppo.max_first_ratio_dev,
                                                             ppo.max_engine_logprob_gap)
-        write_json_atomic(run_dir / "banner.json", banner(cfg, tokenizer, trainer.shape, base_dir, policy, gates))
+        write_json_atomic(run_dir / "banner.json", banner(cfg, tokenizer, trainer.shape, base_dir, policy, gates,
+                                                          band))
         monitors = Monitors(tripwire, canary, _test_eval(cfg, task, tokenizer, policy), cfg.eval.every,
                             ppo.iterations)
         history, stopped = PPORun(trainer, keeper, monitors, logger, ppo.iterations, f"ppo[{cfg.arm.name}]",
                                   cfg.logger.console).run(first, stop, start)
     summary = _summary(trainer, ppo, history, keeper.alarms, keeper.pinned, start)
+    summary["band"] = band.summary() if band is not None else None
     if stopped:  # the worker is closed; the checkpoint just saved is where a relaunch continues
         summary.update(stopped=stopped, checkpoint=str(keeper.checkpoint))
         write_stage_result(run_dir, cfg, "ppo", summary)
@@ -244,13 +253,16 @@ def publish_policy(cfg: DictConfig, checkpoint: Path, summary: dict) -> Path:
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict:
-    """Stage `ppo`: the SFT checkpoint (and PRM) of this config, reused or made, then PPO; publishes the policy."""
+    """Stage `ppo`: the SFT checkpoint (and PRM, and band) of this config, reused or made, then PPO; publishes
+    the policy."""
     start = time.time()
     task = build(cfg.task, "task")
     gates = early_gates(cfg, task)
+    band = existing_band(cfg, task)  # a band that exists is checked before any weights
     sft_dir, _ = ensure_sft(cfg, task, run_dir, reuse=True)
     prm_dir = ensure_prm(cfg, task, run_dir, sft_dir, reuse=True)[0] if needs_learned_prm(cfg) else None
-    summary = train_ppo(cfg, task, sft_dir, run_dir, gates, prm_dir)
+    band = ppo_band(cfg, task, run_dir, sft_dir, band)
+    summary = train_ppo(cfg, task, sft_dir, run_dir, gates, prm_dir, band)
     summary["artifact"] = str(publish_policy(cfg, Path(summary["checkpoint"]), summary))
     summary["wall_seconds"] = time.time() - start
     write_stage_result(run_dir, cfg, "ppo", summary)
