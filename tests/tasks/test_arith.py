@@ -70,11 +70,12 @@ def test_operand_counts_follow_each_distribution(task):
         values = {v for p in task.problems(split) for v in p.meta["operands"]}
         return counts, values
 
-    # Defaults: sft draws 2..4 operands, rl (train and test) 3..5, all values in 0..30.
+    # Defaults (the schema's, as a run gets them): sft draws 2..5 operands, rl (train and test) 3..5,
+    # all values in 0..30.
     sft_counts, sft_values = shape("sft")
     train_counts, train_values = shape("train")
     test_counts, test_values = shape("test")
-    assert sft_counts == {2, 3, 4}
+    assert sft_counts == {2, 3, 4, 5}
     assert train_counts == {3, 4, 5} and test_counts <= {3, 4, 5}
     assert min(sft_values) == 0 and max(sft_values) == 30
     assert min(train_values | test_values) >= 0 and max(train_values | test_values) <= 30

@@ -101,6 +101,8 @@ class HFModelConfig(ModelConfig):
     _target_: str = "prmppo.models.loading.HFDirSource"
     # local Hugging Face-layout directory (config.json, tokenizer files, *.safetensors)
     path: str = MISSING
+    # a real checkpoint is trained in bfloat16 (half the memory of float32, the range of float32)
+    dtype: str = "bfloat16"
 
 
 # --------------------------------------------------------------------------- arm / reward

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from prmppo.config.schema import HFModelConfig
 from prmppo.errors import PrmppoError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -111,7 +112,7 @@ def load_model(path: str | Path, dtype: str = "float32", device: str | torch.dev
 class HFDirSource:
     """`model=hf`: an existing local HF-layout directory, used as it is."""
 
-    def __init__(self, path: str, dtype: str = "bfloat16"):
+    def __init__(self, path: str, dtype: str = HFModelConfig.dtype):
         self.path = path
         self.dtype = dtype
 

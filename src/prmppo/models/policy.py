@@ -28,7 +28,11 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
 
+from prmppo.config.schema import LoraAdapterConfig
+
 POLICY_ADAPTER = "policy"
+# LoraPolicy's keyword defaults are the schema's (config/schema.py), the one home of every default
+_LORA = LoraAdapterConfig()
 
 
 @contextmanager
@@ -141,10 +145,13 @@ class LoraPolicy(_PolicyBase):
     # what `rollout.sync=adapter` needs (checked from the class when the config is validated)
     ships_adapter = True
 
-    def __init__(self, base_model: nn.Module, detach_value_hidden: bool, critic: bool, r: int = 8,
-                 alpha: int = 16, dropout: float = 0.0, target_modules: list[str] | None = None, init_seed: int = 0,
-                 modules_to_save: list[str] | None = None, modules_to_save_lr: float | None = None):
-        modules_to_save = list(modules_to_save or [])
+    def __init__(self, base_model: nn.Module, detach_value_hidden: bool, critic: bool, r: int = _LORA.r,
+                 alpha: int = _LORA.alpha, dropout: float = _LORA.dropout, target_modules: list[str] | None = None,
+                 init_seed: int = _LORA.init_seed, modules_to_save: list[str] | None = None,
+                 modules_to_save_lr: float | None = _LORA.modules_to_save_lr):
+        # None: the schema's lists
+        target_modules = list(_LORA.target_modules if target_modules is None else target_modules)
+        modules_to_save = list(_LORA.modules_to_save if modules_to_save is None else modules_to_save)
         names = [name for name, _ in base_model.named_modules()]
         for wanted in modules_to_save:  # peft would skip a name that matches nothing, silently
             if not any(name == wanted or name.endswith(f".{wanted}") for name in names):
@@ -154,7 +161,7 @@ class LoraPolicy(_PolicyBase):
                     "lm_head", "embed_tokens"):
                 raise ValueError(f"lora.modules_to_save: {wanted!r} shares its weight with the tied input/output "
                                  f"embedding; training one copy would break the tie in the synced weights")
-        config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules or []),
+        config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
                             modules_to_save=modules_to_save or None, bias="none", task_type="CAUSAL_LM")
         with torch.random.fork_rng(devices=[]):  # peft draws LoRA A from the global generator
             torch.manual_seed(init_seed)

@@ -12,7 +12,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from prmppo.config.schema import OutcomeRewardConfig
 from prmppo.rewards.terms import RewardTerm, RewardTerms
+
+# keyword defaults are the schema's (config/schema.py), the one home of every default
+_SCHEMA = OutcomeRewardConfig()
 
 
 def last_token_index(response_mask: Tensor) -> Tensor:
@@ -34,8 +38,8 @@ def outcome_rewards(outcome: Tensor, response_mask: Tensor, correct_reward: floa
 class OutcomeReward:
     """The verifier's outcome reward, weighted by `w_outcome`, on the last response token."""
 
-    def __init__(self, correct_reward: float = 1.0, wrong_reward: float = 0.0, w_outcome: float = 1.0,
-                 eta: float = 1.0, seed: int = 0):
+    def __init__(self, correct_reward: float = _SCHEMA.correct_reward, wrong_reward: float = _SCHEMA.wrong_reward,
+                 w_outcome: float = _SCHEMA.w_outcome, eta: float = _SCHEMA.eta, seed: int = 0):
         # `eta` (the PRM clip threshold) is accepted and ignored: every reward config carries it so
         # one sweep can cross both arms with `reward.eta=...`. `seed` (the run's, which the runner
         # passes to every reward) is ignored too: the outcome reward draws no random numbers

@@ -37,20 +37,25 @@ import random
 import torch
 from torch import Tensor
 
+from prmppo.config.schema import ProcessRewardConfig
 from prmppo.rewards.orm import outcome_term
 from prmppo.rewards.steps import to_steps, to_tokens
 from prmppo.rewards.terms import RewardTerm, RewardTerms
 from prmppo.rewards.transforms import TRANSFORM_NAMES, apply_transform
 
 SCORER_KINDS = ("learned", "oracle")
+# keyword defaults are the schema's (config/schema.py), the one home of every default
+_SCHEMA = ProcessRewardConfig()
 
 
 class ProcessReward:
     """w_prm * transform(PRM step scores) on step ends + w_outcome * outcome on the last token."""
 
-    def __init__(self, transform: str = "plain", w_prm: float = 1.0, w_outcome: float = 1.0, eta: float = 1.0,
-                 min_form_temperature: float = 0.1, label_noise: float = 0.0, scorer: str = "learned",
-                 correct_reward: float = 1.0, wrong_reward: float = 0.0, step_scorer=None, task=None, seed: int = 0):
+    def __init__(self, transform: str = _SCHEMA.transform, w_prm: float = _SCHEMA.w_prm,
+                 w_outcome: float = _SCHEMA.w_outcome, eta: float = _SCHEMA.eta,
+                 min_form_temperature: float = _SCHEMA.min_form_temperature, label_noise: float = _SCHEMA.label_noise,
+                 scorer: str = _SCHEMA.scorer, correct_reward: float = _SCHEMA.correct_reward,
+                 wrong_reward: float = _SCHEMA.wrong_reward, step_scorer=None, task=None, seed: int = 0):
         if transform not in TRANSFORM_NAMES:
             raise ValueError(f"reward.transform={transform!r} is not one of {', '.join(TRANSFORM_NAMES)}")
         if scorer not in SCORER_KINDS:

@@ -33,7 +33,11 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from prmppo.config.schema import ArithTaskConfig
 from prmppo.tasks.base import SPLITS, Problem
+
+# keyword defaults are the schema's (config/schema.py), the one home of every default
+_SCHEMA = ArithTaskConfig()
 
 SUPPORTED_OPERATORS = ("+", "-", "*")
 DIFFICULTY_KEYS = ("min_operands", "max_operands", "min_value", "max_value", "operators")
@@ -66,10 +70,10 @@ class Difficulty:
 
 
 def _default_difficulty(key: str) -> Difficulty:
-    # Built on each call rather than held in a module-level dict, so nothing is shared mutably.
-    if key == "sft":
-        return Difficulty(2, 4, 0, 30, ("+", "-"))
-    return Difficulty(3, 5, 0, 30, ("+", "-"))
+    """The schema's default for `task.sft` / `task.rl` (built on each call: nothing shared mutably)."""
+    chain = getattr(ArithTaskConfig(), key)
+    return Difficulty(chain.min_operands, chain.max_operands, chain.min_value, chain.max_value,
+                      tuple(chain.operators))
 
 
 def _int_knob(key: str, value: object) -> int:
@@ -174,13 +178,13 @@ class ArithTask:
 
     def __init__(
         self,
-        seed: int = 0,
+        seed: int = _SCHEMA.seed,
         sft: Mapping | None = None,
         rl: Mapping | None = None,
-        sft_size: int = 20000,
-        train_size: int = 20000,
-        test_size: int = 200,
-        step_delimiter: str = "\n",
+        sft_size: int = _SCHEMA.sft_size,
+        train_size: int = _SCHEMA.train_size,
+        test_size: int = _SCHEMA.test_size,
+        step_delimiter: str = _SCHEMA.step_delimiter,
     ) -> None:
         self.seed = _int_knob("seed", seed)
         self.sft = parse_difficulty("sft", sft)
