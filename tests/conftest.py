@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, open_dict
 
-from prmppo.config.schema import register_schemas
+from prmppo.config.store import register_schemas
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = str(REPO / "conf")

@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from conftest import CONF_DIR, compose_config, run_prmppo
-from prmppo.config.schema import register_schemas
+from prmppo.config.store import register_schemas
 from prmppo.config.validate import inert_keys, validate_config
 from prmppo.sweep import objective_value, override_keys, warn_inert_overrides
 

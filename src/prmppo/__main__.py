@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 
 from prmppo.app import run
 from prmppo.config.paths import conf_dir
-from prmppo.config.schema import register_schemas
+from prmppo.config.store import register_schemas
 from prmppo.errors import EXIT_REFUSED, EXIT_STOPPED, PrmppoError, StopRequested
 from prmppo.sweep import objective_value, run_sweep_job, warn_inert_overrides
 

@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 
 from conftest import CONF_DIR, compose_config
 from prmppo.config.paths import absolute_against, conf_dir
-from prmppo.config.schema import register_schemas
+from prmppo.config.store import register_schemas
 
 
 @pytest.fixture

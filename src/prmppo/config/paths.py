@@ -5,7 +5,7 @@ The config directory: `conf_dir()`. The repo's top-level `conf/` is packaged as 
 source checkout run without installing (`PYTHONPATH=src`) falls back to the checkout's `conf/`.
 
 Paths in the config: two OmegaConf resolvers, registered by `register_path_resolvers()` (which
-`config.schema.register_schemas()` calls), make the shipped defaults absolute against a named
+`config.store.register_schemas()` calls), make the shipped defaults absolute against a named
 base, never against whatever directory the process happens to be in:
 
     ${prmppo.from_launch_dir:PATH}  PATH against the launch directory: the directory

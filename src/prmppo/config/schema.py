@@ -1,12 +1,14 @@
 """Typed schemas behind every YAML file in `conf/`.
 
-Each config group has a dataclass here, registered in Hydra's ConfigStore as
+Each config group has a dataclass here, registered in Hydra's ConfigStore (`config/store.py`) as
 `<group>_<option>_schema` (outside any group, so `--help` lists only the real options); the YAML
 option files start from it (`defaults: [/<group>_<option>_schema@_here_]`).
 So an unknown key or a value of the wrong type fails when Hydra composes the config, before
 any code runs. Every key has its default here; code reads attributes, never `.get(k, default)`.
 
 Cross-field rules (divisibility, ranges that involve two keys) live in `config/validate.py`.
+Plain dataclasses, no Hydra: components read their keyword defaults from these classes, so the
+schema stays the one home of each default.
 """
 
 from __future__ import annotations
@@ -14,10 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
-
-from prmppo.config.paths import register_path_resolvers
 
 # --------------------------------------------------------------------------- stage
 
@@ -493,12 +492,3 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "logger": {"logger": LoggerConfig},
 }
 
-
-def register_schemas() -> None:
-    """Register the root schema and every group schema in Hydra's ConfigStore (idempotent)."""
-    register_path_resolvers()  # ${prmppo.from_launch_dir:...}, ${prmppo.beside_env:...}: config/paths.py
-    store = ConfigStore.instance()
-    store.store(name="root_schema", node=RootConfig)
-    for group, options in SCHEMAS.items():
-        for name, node in options.items():
-            store.store(name=f"{group}_{name}_schema", node=node)

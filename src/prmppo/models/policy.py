@@ -31,8 +31,6 @@ from torch import nn
 from prmppo.config.schema import LoraAdapterConfig
 
 POLICY_ADAPTER = "policy"
-# LoraPolicy's keyword defaults are the schema's (config/schema.py), the one home of every default
-_LORA = LoraAdapterConfig()
 
 
 @contextmanager
@@ -145,13 +143,22 @@ class LoraPolicy(_PolicyBase):
     # what `rollout.sync=adapter` needs (checked from the class when the config is validated)
     ships_adapter = True
 
-    def __init__(self, base_model: nn.Module, detach_value_hidden: bool, critic: bool, r: int = _LORA.r,
-                 alpha: int = _LORA.alpha, dropout: float = _LORA.dropout, target_modules: list[str] | None = None,
-                 init_seed: int = _LORA.init_seed, modules_to_save: list[str] | None = None,
-                 modules_to_save_lr: float | None = _LORA.modules_to_save_lr):
+    def __init__(
+        self,
+        base_model: nn.Module,
+        detach_value_hidden: bool,
+        critic: bool,
+        r: int = LoraAdapterConfig.r,
+        alpha: int = LoraAdapterConfig.alpha,
+        dropout: float = LoraAdapterConfig.dropout,
+        target_modules: list[str] | None = None,
+        init_seed: int = LoraAdapterConfig.init_seed,
+        modules_to_save: list[str] | None = None,
+        modules_to_save_lr: float | None = LoraAdapterConfig.modules_to_save_lr,
+    ):
         # None: the schema's lists
-        target_modules = list(_LORA.target_modules if target_modules is None else target_modules)
-        modules_to_save = list(_LORA.modules_to_save if modules_to_save is None else modules_to_save)
+        target_modules = list(LoraAdapterConfig().target_modules if target_modules is None else target_modules)
+        modules_to_save = list(LoraAdapterConfig().modules_to_save if modules_to_save is None else modules_to_save)
         names = [name for name, _ in base_model.named_modules()]
         for wanted in modules_to_save:  # peft would skip a name that matches nothing, silently
             if not any(name == wanted or name.endswith(f".{wanted}") for name in names):

@@ -33,8 +33,6 @@ from prmppo.models.loading import DTYPES, check_model_dir
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")  # ids 0..3
 TOKENIZERS = ("char", "bpe", "auto")
 BYTE_ALPHABET = 256  # a byte-level BPE starts from one token per byte
-# keyword defaults are the schema's (config/schema.py), the one home of every default
-_SCHEMA = TinyModelConfig()
 
 
 def build_char_tokenizer(alphabet: str):
@@ -97,13 +95,19 @@ def pick_tokenizer(kind: str, task, max_position_embeddings: int) -> str:
 class TinyModelSource:
     """Builds the tiny model for a task and saves it as an HF-layout directory."""
 
-    def __init__(self, hidden_size: int = _SCHEMA.hidden_size, intermediate_size: int = _SCHEMA.intermediate_size,
-                 num_hidden_layers: int = _SCHEMA.num_hidden_layers,
-                 num_attention_heads: int = _SCHEMA.num_attention_heads,
-                 num_key_value_heads: int = _SCHEMA.num_key_value_heads,
-                 max_position_embeddings: int = _SCHEMA.max_position_embeddings, seed: int = _SCHEMA.seed,
-                 dtype: str = _SCHEMA.dtype, tokenizer: str = _SCHEMA.tokenizer,
-                 bpe_vocab_size: int = _SCHEMA.bpe_vocab_size):
+    def __init__(
+        self,
+        hidden_size: int = TinyModelConfig.hidden_size,
+        intermediate_size: int = TinyModelConfig.intermediate_size,
+        num_hidden_layers: int = TinyModelConfig.num_hidden_layers,
+        num_attention_heads: int = TinyModelConfig.num_attention_heads,
+        num_key_value_heads: int = TinyModelConfig.num_key_value_heads,
+        max_position_embeddings: int = TinyModelConfig.max_position_embeddings,
+        seed: int = TinyModelConfig.seed,
+        dtype: str = TinyModelConfig.dtype,
+        tokenizer: str = TinyModelConfig.tokenizer,
+        bpe_vocab_size: int = TinyModelConfig.bpe_vocab_size,
+    ):
         if hidden_size % num_attention_heads or num_attention_heads % num_key_value_heads:
             raise ValueError(
                 f"model.hidden_size={hidden_size} must be divisible by model.num_attention_heads="

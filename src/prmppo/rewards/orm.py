@@ -15,9 +15,6 @@ from torch import Tensor
 from prmppo.config.schema import OutcomeRewardConfig
 from prmppo.rewards.terms import RewardTerm, RewardTerms
 
-# keyword defaults are the schema's (config/schema.py), the one home of every default
-_SCHEMA = OutcomeRewardConfig()
-
 
 def last_token_index(response_mask: Tensor) -> Tensor:
     """Index of each row's last real response token. response_mask: [B, T] -> [B]."""
@@ -38,8 +35,14 @@ def outcome_rewards(outcome: Tensor, response_mask: Tensor, correct_reward: floa
 class OutcomeReward:
     """The verifier's outcome reward, weighted by `w_outcome`, on the last response token."""
 
-    def __init__(self, correct_reward: float = _SCHEMA.correct_reward, wrong_reward: float = _SCHEMA.wrong_reward,
-                 w_outcome: float = _SCHEMA.w_outcome, eta: float = _SCHEMA.eta, seed: int = 0):
+    def __init__(
+        self,
+        correct_reward: float = OutcomeRewardConfig.correct_reward,
+        wrong_reward: float = OutcomeRewardConfig.wrong_reward,
+        w_outcome: float = OutcomeRewardConfig.w_outcome,
+        eta: float = OutcomeRewardConfig.eta,
+        seed: int = 0,
+    ):
         # `eta` (the PRM clip threshold) is accepted and ignored: every reward config carries it so
         # one sweep can cross both arms with `reward.eta=...`. `seed` (the run's, which the runner
         # passes to every reward) is ignored too: the outcome reward draws no random numbers

@@ -21,9 +21,9 @@ minus outcome accuracy) and, when the task has an exact step checker, `hack/true
 and `hack/prm_vs_true_step_gap` (mean step score minus true step accuracy).
 
 The step scorer (and the task, for the true-step monitors) are runtime dependencies: the PPO
-stage passes them at construction (`build(cfg.reward, "reward", step_scorer=..., task=...)`). `needs_learned_prm` tells the runner whether a PRM artifact must exist. The runner
-also passes the run's `seed` (`build(cfg.reward, "reward", seed=cfg.seed)`), from which the noise
-generator's seed is derived (`label_noise_seed`), so two run seeds flip different steps.
+stage passes them at construction (`build(cfg.reward, "reward", step_scorer=..., task=...)`).
+`needs_learned_prm` tells the runner whether a PRM artifact must exist. The runner also passes
+the run's `seed` (`build(cfg.reward, "reward", seed=cfg.seed)`), from which the noise generator's seed is derived (`label_noise_seed`), so two run seeds flip different steps.
 `state_dict()` / `load_state_dict()` hold that generator's state: `ppo/checkpoint.py` saves it, so a
 resumed run flips the steps the uninterrupted run would have flipped.
 
@@ -44,18 +44,26 @@ from prmppo.rewards.terms import RewardTerm, RewardTerms
 from prmppo.rewards.transforms import TRANSFORM_NAMES, apply_transform
 
 SCORER_KINDS = ("learned", "oracle")
-# keyword defaults are the schema's (config/schema.py), the one home of every default
-_SCHEMA = ProcessRewardConfig()
 
 
 class ProcessReward:
     """w_prm * transform(PRM step scores) on step ends + w_outcome * outcome on the last token."""
 
-    def __init__(self, transform: str = _SCHEMA.transform, w_prm: float = _SCHEMA.w_prm,
-                 w_outcome: float = _SCHEMA.w_outcome, eta: float = _SCHEMA.eta,
-                 min_form_temperature: float = _SCHEMA.min_form_temperature, label_noise: float = _SCHEMA.label_noise,
-                 scorer: str = _SCHEMA.scorer, correct_reward: float = _SCHEMA.correct_reward,
-                 wrong_reward: float = _SCHEMA.wrong_reward, step_scorer=None, task=None, seed: int = 0):
+    def __init__(
+        self,
+        transform: str = ProcessRewardConfig.transform,
+        w_prm: float = ProcessRewardConfig.w_prm,
+        w_outcome: float = ProcessRewardConfig.w_outcome,
+        eta: float = ProcessRewardConfig.eta,
+        min_form_temperature: float = ProcessRewardConfig.min_form_temperature,
+        label_noise: float = ProcessRewardConfig.label_noise,
+        scorer: str = ProcessRewardConfig.scorer,
+        correct_reward: float = ProcessRewardConfig.correct_reward,
+        wrong_reward: float = ProcessRewardConfig.wrong_reward,
+        step_scorer=None,
+        task=None,
+        seed: int = 0,
+    ):
         if transform not in TRANSFORM_NAMES:
             raise ValueError(f"reward.transform={transform!r} is not one of {', '.join(TRANSFORM_NAMES)}")
         if scorer not in SCORER_KINDS:

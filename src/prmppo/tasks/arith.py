@@ -36,8 +36,6 @@ from dataclasses import dataclass
 from prmppo.config.schema import ArithTaskConfig
 from prmppo.tasks.base import SPLITS, Problem
 
-# keyword defaults are the schema's (config/schema.py), the one home of every default
-_SCHEMA = ArithTaskConfig()
 
 SUPPORTED_OPERATORS = ("+", "-", "*")
 DIFFICULTY_KEYS = ("min_operands", "max_operands", "min_value", "max_value", "operators")
@@ -178,13 +176,13 @@ class ArithTask:
 
     def __init__(
         self,
-        seed: int = _SCHEMA.seed,
+        seed: int = ArithTaskConfig.seed,
         sft: Mapping | None = None,
         rl: Mapping | None = None,
-        sft_size: int = _SCHEMA.sft_size,
-        train_size: int = _SCHEMA.train_size,
-        test_size: int = _SCHEMA.test_size,
-        step_delimiter: str = _SCHEMA.step_delimiter,
+        sft_size: int = ArithTaskConfig.sft_size,
+        train_size: int = ArithTaskConfig.train_size,
+        test_size: int = ArithTaskConfig.test_size,
+        step_delimiter: str = ArithTaskConfig.step_delimiter,
     ) -> None:
         self.seed = _int_knob("seed", seed)
         self.sft = parse_difficulty("sft", sft)

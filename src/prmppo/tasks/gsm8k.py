@@ -35,8 +35,6 @@ from prmppo.config.schema import GSM8KTaskConfig
 from prmppo.errors import DataError, DataFileMissing
 from prmppo.tasks.base import SPLITS, Problem
 
-# keyword defaults are the schema's (config/schema.py), the one home of every default
-_SCHEMA = GSM8KTaskConfig()
 
 _ANNOTATION_RE = re.compile(r"<<[^>]*>>")
 _FINAL_RE = re.compile(r"####\s*(.*)")
@@ -149,10 +147,10 @@ class GSM8KTask:
     def __init__(
         self,
         data_dir: str,
-        train_file: str = _SCHEMA.train_file,
-        test_file: str = _SCHEMA.test_file,
-        test_size: int | None = _SCHEMA.test_size,
-        step_delimiter: str = _SCHEMA.step_delimiter,
+        train_file: str = GSM8KTaskConfig.train_file,
+        test_file: str = GSM8KTaskConfig.test_file,
+        test_size: int | None = GSM8KTaskConfig.test_size,
+        step_delimiter: str = GSM8KTaskConfig.step_delimiter,
     ) -> None:
         # Resolved now, so a later change of working directory does not move the data.
         self.data_dir = Path(os.path.abspath(Path(data_dir).expanduser()))
