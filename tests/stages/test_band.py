@@ -129,6 +129,7 @@ def _second_line(task, **changes) -> str:
     (lambda t: _second_line(t, problem="1+1"), "problem '1+1' is not a `train` problem"),
     (lambda t: _second_line(t, pass_rate=0.5), "pass_rate = passes / k"),
     (lambda t: _second_line(t, passes=5), "0 <= passes <= k"),
+    (lambda t: _second_line(t, passes=0, k=0, pass_rate=0.0), "need k >= 1"),
     (lambda t: '{"problem": ', "bad JSON"),
     (lambda t: "[1, 2]", "expected a JSON object"),
     (lambda t: _second_line(t, problem=distinct_train_problems(t, 1)[0].question), "repeats line 1"),

@@ -182,7 +182,7 @@ def parse_row(obj: object, path: Path, line_no: int, known: set[str]) -> BandRow
     row = BandRow(**{key: obj[key] for key in ROW_TYPES})
     if row.problem not in known:
         raise _row_error(path, line_no, f"problem {row.problem!r} is not a `train` problem of this task")
-    if not 0 <= row.passes <= row.k or abs(row.pass_rate - row.passes / row.k) > RATE_TOLERANCE:
+    if row.k < 1 or not 0 <= row.passes <= row.k or abs(row.pass_rate - row.passes / row.k) > RATE_TOLERANCE:
         raise _row_error(path, line_no, f"passes={row.passes}, k={row.k}, pass_rate={row.pass_rate}: need "
                                         "k >= 1, 0 <= passes <= k and pass_rate = passes / k")
     return row
