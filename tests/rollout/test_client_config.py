@@ -42,7 +42,7 @@ def test_vllm_client_reserves_the_lora_rank_only_for_adapter_sync(tmp_path, sync
 def test_model_sources_report_their_architecture_without_weights(tmp_path):
     tiny, where = TinyModelSource(hidden_size=48, num_attention_heads=3, num_key_value_heads=1).architecture()
     assert (tiny["model_type"], tiny["hidden_size"], tiny["num_attention_heads"]) == ("mistral", 48, 3)
-    assert "model.hidden_size=48" in where
+    assert where == "model.hidden_size=48 / model.num_attention_heads=3"
     assert HFDirSource(str(tmp_path)).architecture() == (None, "")  # no config.json yet
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 896}))
     found, where = HFDirSource(str(tmp_path)).architecture()

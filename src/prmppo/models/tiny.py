@@ -125,8 +125,9 @@ class TinyModelSource:
     def architecture(self) -> tuple[dict, str]:
         """The transformers config dict of the model this builds (before its tokenizer fixes the
         vocabulary size), and where it comes from; launch gates read it before any weights exist."""
-        return {"model_type": "mistral", "vocab_size": 32, "tie_word_embeddings": True, **self.arch}, (
-            "model=tiny: " + ", ".join(f"model.{k}={v}" for k, v in self.arch.items()))
+        arch = self.arch
+        heads = f"model.hidden_size={arch['hidden_size']} / model.num_attention_heads={arch['num_attention_heads']}"
+        return {"model_type": "mistral", "vocab_size": 32, "tie_word_embeddings": True, **self.arch}, heads
 
     def build_tokenizer(self, task):
         """(the tokenizer for `task`, the kind built: `char` or `bpe`)."""
