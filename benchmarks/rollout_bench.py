@@ -58,7 +58,7 @@ def build_policy(work: Path):
     from hydra import compose, initialize_config_dir
 
     from prmppo.config.build import build
-    from prmppo.config.schema import register_schemas
+    from prmppo.config.store import register_schemas
     from prmppo.models.loading import load_model, load_tokenizer
 
     register_schemas()

@@ -28,14 +28,14 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     gates = ppo.early_gates(cfg, task)  # refuse in seconds, before any weights
     band = band_stage.existing_band(cfg, task)  # band.file, or this config's band artifact when it exists
     sft_dir, sft_summary = sft.ensure_sft(cfg, task, run_dir, reuse=True)  # 1. warm start
-    prm_dir = None
+    prm_dir, prm_summary = None, None
     if ppo.needs_learned_prm(cfg):  # 2. PRM, only when the reward asks for one
-        prm_dir, _ = prm.ensure_prm(cfg, task, run_dir, sft_dir, reuse=True)
+        prm_dir, prm_summary = prm.ensure_prm(cfg, task, run_dir, sft_dir, reuse=True)
     band = band_stage.ppo_band(cfg, task, run_dir, sft_dir, band)  # 3. band, only with band.enabled
     ppo_summary = ppo.train_ppo(cfg, task, sft_dir, run_dir, gates, prm_dir, band)  # 4. PPO
     ppo.publish_policy(cfg, Path(ppo_summary["checkpoint"]), ppo_summary)
     compared = eval_stage.side_by_side(cfg, task, run_dir, sft_dir, Path(ppo_summary["checkpoint"]))  # 5. eval
-    summary = {"sft": sft_summary, "band": ppo_summary["band"], "ppo": ppo_summary, **compared,
+    summary = {"sft": sft_summary, "prm": prm_summary, "band": ppo_summary["band"], "ppo": ppo_summary, **compared,
                "wall_seconds": time.time() - start}
     write_stage_result(run_dir, cfg, "pipeline", summary)
     return summary
