@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 
 from prmppo.__main__ import CONF_DIR
 from prmppo.config.build import build
-from prmppo.config.schema import register_schemas
+from prmppo.config.store import register_schemas
 from prmppo.evaluation import score
 from prmppo.models.loading import check_model_dir, load_model, load_tokenizer
 
