@@ -139,7 +139,12 @@ def _check_rest(problems: list[str], cfg: DictConfig) -> None:
         problems.append(f"lora.modules_to_save={list(cfg.lora.modules_to_save)} with rollout=vllm "
                         f"rollout.sync=adapter: vLLM's LoRA serves only the low-rank factors; use "
                         f"rollout.sync=checkpoint or lora.modules_to_save=[]")
-    if cfg.rollout.sync == "adapter" and not get_class(cfg.lora._target_).ships_adapter:
+    try:
+        ships_adapter = get_class(cfg.lora._target_).ships_adapter
+    except (ImportError, ValueError, AttributeError) as err:
+        problems.append(f"lora._target_={cfg.lora._target_!r} is not a policy class prmppo can build ({err})")
+        ships_adapter = True
+    if cfg.rollout.sync == "adapter" and not ships_adapter:
         problems.append("rollout.sync=adapter needs LoRA adapters, but lora=none trains the full model: "
                         "use rollout.sync=checkpoint or lora=adapter")
     try:  # the reward checks its own keys (cheap: no model, no task)
