@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 from prmppo.app import run
 from prmppo.config.paths import conf_dir
 from prmppo.config.store import register_schemas
+from prmppo.dist.launch import LaunchError, torchrun_world_size
 from prmppo.errors import EXIT_REFUSED, EXIT_STOPPED, PrmppoError, StopRequested
 from prmppo.sweep import objective_value, run_sweep_job, warn_inert_overrides
 
@@ -35,11 +36,20 @@ CONF_DIR = str(conf_dir())
 register_schemas()
 
 
+def _check_run_dir_given(hydra_overrides: list[str]) -> None:
+    """Several torchrun processes must share one run dir: Hydra's default (a timestamp) differs between them."""
+    world = torchrun_world_size()
+    if world is not None and world > 1 and not any(o.startswith("hydra.run.dir=") for o in hydra_overrides):
+        raise LaunchError(f"torchrun started {world} processes but no hydra.run.dir=<dir> was given: the default run "
+                          "dir is a timestamp, which differs between processes; give one, e.g. hydra.run.dir=runs/<name>")
+
+
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> float:
     hydra_cfg = HydraConfig.get()
     warn_inert_overrides(cfg, list(hydra_cfg.overrides.task))
     try:
+        _check_run_dir_given(list(hydra_cfg.overrides.hydra))
         if hydra_cfg.mode == RunMode.MULTIRUN:
             return run_sweep_job(cfg)  # a failed job is recorded and the sweep goes on
         return objective_value(run(cfg), cfg.objective)

@@ -3,7 +3,9 @@
 Order of work, cheapest first, so a bad launch fails in milliseconds:
   1. validate the composed config (`config/validate.py`): ranges and cross-field arithmetic;
   2. check every `_target_` against the allowed module prefixes (`config/build.py`);
-  3. dispatch to the stage named by `stage.name` (`stages.STAGES`), which builds its components
+  3. check the launch against the topology (`dist/launch.py`: `topology=fsdp` under torchrun with
+     WORLD_SIZE == topology.train_world_size, any other topology on one process);
+  4. dispatch to the stage named by `stage.name` (`stages.STAGES`), which builds its components
      and does the work.
 Imports run one way: app -> stages -> (config, models, ppo, rewards, rollout, guards, ...).
 """
@@ -18,6 +20,7 @@ from omegaconf import DictConfig
 from transformers.utils import logging as hf_logging
 
 from prmppo.config.validate import validate_config
+from prmppo.dist.launch import check_launch
 from prmppo.stages import STAGES
 
 log = logging.getLogger("prmppo")
@@ -27,6 +30,7 @@ def run(cfg: DictConfig) -> dict:
     """Validate `cfg` and run the stage it names; returns the stage's result summary."""
     validate_config(cfg)  # also refuses a `_target_` outside the allowed packages
     stage = STAGES[cfg.stage.name]  # validate_config refused stages without a runner
+    check_launch(cfg.topology.name, cfg.topology.train_world_size)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()

@@ -213,12 +213,29 @@ def _check_band(problems: list[str], cfg: DictConfig) -> None:
                         "a group of one sample is always uniform, so every group would be dropped; use >= 2")
 
 
-def _check_available(problems: list[str], cfg: DictConfig) -> None:
-    """Options whose config exists but whose code does not yet: refused, never silently ignored."""
-    if cfg.topology.train_world_size > 1:
-        problems.append(f"topology.train_world_size={cfg.topology.train_world_size}: multi-rank (FSDP2) training "
-                        "is not available yet: use topology=cpu or topology=gpu")
-
+def _check_topology(problems: list[str], cfg: DictConfig) -> None:
+    """Several training ranks (`topology=fsdp`): PPO only, and a batch that splits into whole micro-batches
+    on every rank (each rank runs `minibatch_rows / train_world_size` rows of every minibatch)."""
+    topology, ppo, world = cfg.topology, cfg.ppo, cfg.topology.train_world_size
+    if topology.name != "fsdp":
+        if world != 1:
+            problems.append(f"topology.train_world_size={world} with topology={topology.name}: one process trains; "
+                            "use topology=fsdp for several ranks")
+        return
+    if cfg.stage.name != "ppo":
+        problems.append(f"stage={cfg.stage.name} with topology=fsdp is not available yet: only stage=ppo runs on "
+                        "several ranks (it makes a missing SFT checkpoint, PRM or band on rank 0 first)")
+    rows, share = ppo.prompts_per_iteration * ppo.n_samples_per_prompt, ppo.micro_batch_rows * world
+    if world >= 1 and share > 0 and ppo.minibatch_rows % share:
+        problems.append(
+            f"the batch does not split across topology.train_world_size={world} ranks: rows per iteration "
+            f"{ppo.prompts_per_iteration} x {ppo.n_samples_per_prompt} = {rows}, minibatch rows "
+            f"ppo.minibatch_rows={ppo.minibatch_rows}, micro-batch rows x ranks {ppo.micro_batch_rows} x {world} = "
+            f"{share}; ppo.minibatch_rows must be a multiple of {share} ({ppo.minibatch_rows} % {share} = "
+            f"{ppo.minibatch_rows % share}) so that every rank runs whole micro-batches")
+    if ppo.drop_uniform_groups:
+        problems.append("ppo.drop_uniform_groups=true with topology=fsdp is not available yet: a rank whose "
+                        "micro-batch held only dropped rows would skip FSDP's collectives while the others wait")
 
 
 # what to give for a key that has no default (`???` in YAML), keyed by its dotted name
@@ -308,7 +325,7 @@ def validate_config(cfg: DictConfig) -> None:
     check_targets(cfg)  # first: the checks below build the reward and look up the policy class
     problems: list[str] = []
     _check_missing(problems, cfg)
-    _check_available(problems, cfg)
+    _check_topology(problems, cfg)
     _check_wandb(problems, cfg.logger)
     _check_rest(problems, cfg)
     _check_task(problems, cfg.task)

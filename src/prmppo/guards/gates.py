@@ -98,10 +98,7 @@ def check_topology(train_device: str, engine_device: str, world_size: int, coloc
     for key, value, index in (("train_device", train_device, train_base), ("engine_device", engine_device, engine_gpu)):
         if index is not None and visible == 0:
             raise GateError(f"topology.{key}={value!r} but no CUDA device is visible; use topology=cpu")
-    train_gpus = [] if train_base is None else list(range(train_base, train_base + world_size))
-    if train_base is None and world_size > 1:
-        raise GateError(f"topology.train_world_size={world_size} needs one GPU per rank, but "
-                        f"topology.train_device={train_device!r}; use 1 on the CPU")
+    train_gpus = [] if train_base is None else list(range(train_base, train_base + world_size))  # CPU ranks: gloo
     used = train_gpus + ([engine_gpu] if engine_gpu is not None else [])
     if used and max(used) >= visible:
         raise GateError(f"topology needs GPU index {max(used)} (train ranks on {train_gpus}, engine on "

@@ -1,0 +1,12 @@
+"""Training on N ranks under torchrun (`topology=fsdp`): process group, sharding, collectives, checkpoints.
+
+    launch.py      gates (torchrun present, WORLD_SIZE == topology.train_world_size, one run dir),
+                   the process group (gloo on CPU, NCCL on CUDA, one rank per GPU), per-rank log files
+    ranks.py       `OneProcess` / `TorchRanks`: what the PPO loop asks of its ranks (rows of this rank,
+                   gathers, sums, the batch from rank 0); on one process every call is the identity
+    shard.py       FSDP2 `fully_shard` per decoder block and at the root; full weights gathered to rank 0
+    checkpoint.py  `torch.distributed.checkpoint` sharded saves beside the ordinary checkpoint files
+
+The PPO loop is written once: it asks `ranks` for its share of rows and for global sums, and a
+single process answers with the whole batch and the sums it already has.
+"""

@@ -1,0 +1,34 @@
+"""Run by test_ranks.py under `torchrun --nproc_per_node=2`: each rank exercises `TorchRanks` and writes
+what it saw to `<out>/rank<N>.json`. Usage: ranks_worker.py <out_dir> <run_dir_of_rank0> <run_dir_of_rank1>."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from prmppo.dist.launch import LaunchError, close_ranks, init_ranks
+
+out, dirs = Path(sys.argv[1]), sys.argv[2:4]
+rank = int(os.environ["RANK"])
+Path(dirs[rank]).mkdir(parents=True, exist_ok=True)
+seen: dict = {}
+try:
+    ranks = init_ranks("fsdp", "cpu", Path(dirs[rank]))
+except LaunchError as err:
+    seen["refused"] = str(err)
+else:
+    rows = ranks.local_rows(5)  # 5 rows on 2 ranks: 3 and 2
+    local = torch.stack([rows.float(), 10 * rows.float()], dim=1)  # [b_r, 2]
+    seen["local_rows"] = rows.tolist()
+    seen["gathered"] = ranks.gather_rows(local, 5).tolist()
+    seen["sums"] = ranks.sum_floats({"b": float(rank + 1), "a": 0.5})
+    seen["from_main"] = ranks.from_main(lambda: {"made_on": rank})
+    seen["any"] = [ranks.any(rank == 1), ranks.any(False)]
+    grad = torch.nn.Parameter(torch.zeros(3))
+    grad.grad = torch.full((3,), float(rank + 1))
+    ranks.sum_grads([grad])
+    seen["summed_grad"] = grad.grad.tolist()
+    close_ranks(ranks)
+(out / f"rank{rank}.json").write_text(json.dumps(seen))
