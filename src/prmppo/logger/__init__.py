@@ -1,5 +1,5 @@
 """Run outputs that every stage writes: metrics JSONL (the source of truth), console, W&B."""
 
-from prmppo.logger.metrics import MetricsLogger, write_json_atomic
+from prmppo.logger.metrics import DiscardMetrics, MetricsLogger, write_json_atomic
 
-__all__ = ["MetricsLogger", "write_json_atomic"]
+__all__ = ["DiscardMetrics", "MetricsLogger", "write_json_atomic"]

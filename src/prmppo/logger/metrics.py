@@ -86,3 +86,19 @@ class MetricsLogger:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class DiscardMetrics:
+    """The metrics logger of a training rank other than 0 (rank 0 alone writes metrics.jsonl and W&B)."""
+
+    def log(self, step: int, metrics: dict[str, Any], echo: bool = False, stage: str | None = None) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    def __enter__(self) -> "DiscardMetrics":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None

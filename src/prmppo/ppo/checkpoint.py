@@ -166,6 +166,9 @@ def load_checkpoint(ckpt_dir: Path, policy, trainer) -> int:
     next iteration."""
     ckpt_dir = Path(ckpt_dir)
     meta = _read_marker(ckpt_dir)
+    if "world_size" in meta:
+        raise CheckpointError(f"{ckpt_dir} was written by {meta['world_size']} ranks under topology=fsdp; resume it "
+                              "with that topology and world size, or use a new run dir")
     if meta["planned_policy_steps"] != trainer.shape.policy_steps:
         raise CheckpointError(
             f"{ckpt_dir} was written by a run of {meta['planned_policy_steps']} planned policy optimizer steps; "
@@ -264,7 +267,7 @@ class CheckpointKeeper:
         restore the alarms, pins and canary best; returns the first iteration to run."""
         if self.checkpoint is None:
             return 0
-        next_iteration = load_checkpoint(self.checkpoint, policy, trainer)
+        next_iteration = self._load(self.checkpoint, policy, trainer)
         extra = read_meta(self.checkpoint)["extra"]
         self.canary.best, self.canary.best_iteration = extra["canary_best"], extra["canary_best_iteration"]
         self.alarms, self.pinned = list(extra["alarms"]), list(extra["pinned"])
@@ -298,8 +301,18 @@ class CheckpointKeeper:
             return None
         extra = {"alarms": self.alarms, "canary_best": self.canary.best,
                  "canary_best_iteration": self.canary.best_iteration, "pinned": self.pinned}
-        self.checkpoint = save_checkpoint(self.run_dir / "checkpoints", iteration + 1, policy, trainer, extra)
+        self.checkpoint = self._save(self.run_dir / "checkpoints", iteration + 1, policy, trainer, extra)
         best = self.best()
-        prune_checkpoints(self.run_dir / "checkpoints", self.keep,
-                          pinned=tuple(Path(p) for p in self.pinned) + ((best,) if best is not None else ()))
+        self._prune(self.run_dir / "checkpoints", self.keep,
+                    pinned=tuple(Path(p) for p in self.pinned) + ((best,) if best is not None else ()))
         return self.checkpoint
+
+    # how a checkpoint is written, read and pruned: one process here, N ranks in `dist/checkpoint.py`
+    def _save(self, checkpoints_dir: Path, next_iteration: int, policy, trainer, extra: dict) -> Path:
+        return save_checkpoint(checkpoints_dir, next_iteration, policy, trainer, extra)
+
+    def _load(self, ckpt_dir: Path, policy, trainer) -> int:
+        return load_checkpoint(ckpt_dir, policy, trainer)
+
+    def _prune(self, checkpoints_dir: Path, keep: int, pinned: tuple[Path, ...]) -> None:
+        prune_checkpoints(checkpoints_dir, keep, pinned)

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from prmppo.dist.ranks import OneProcess
 from prmppo.errors import PrmppoError
 from prmppo.guards.tripwires import SkipBudget
 from prmppo.logger.console import progress
@@ -112,7 +113,10 @@ class PPOTrainer:
     """Runs PPO iterations for any arm; components arrive built, settings as values."""
 
     def __init__(self, *, policy, tokenizer, task, reward, engine, sync: WeightSync, ppo, logger,
-                 device: torch.device, seed: int, show_progress: bool = False, prompts: list | None = None):
+                 device: torch.device, seed: int, show_progress: bool = False, prompts: list | None = None,
+                 ranks=None):
+        # the training ranks (dist/ranks.py): the rows this process runs, global sums; one process by default
+        self.ranks = ranks if ranks is not None else OneProcess(device)
         self.show_progress = show_progress  # a bar over the update's optimizer steps (interactive only)
         self.policy, self.tokenizer, self.task, self.reward = policy, tokenizer, task, reward
         self.engine, self.sync, self.ppo, self.logger = engine, sync, ppo, logger
@@ -165,7 +169,8 @@ class PPOTrainer:
     def engine_gap_at_identical_weights(self, n_prompts: int = 8) -> float:
         """Mean |engine - trainer| logprob per response token while both hold the same weights: the
         noise floor of this run's dtype and kernels, measured on a few train prompts."""
-        batch = self.sample(0, prompts=self.prompts[:n_prompts], n_samples=1, request_id="engine-gap-probe")
+        batch = self.ranks.from_main(lambda: self.sample(0, prompts=self.prompts[:n_prompts], n_samples=1,
+                                                         request_id="engine-gap-probe"))
         old_lp, _, _, _ = self._forward_no_grad(batch)
         return float(maths.masked_mean((batch.engine_logprobs.to(self.device) - old_lp).abs(),
                                        batch.response_mask.to(self.device)))
@@ -184,7 +189,7 @@ class PPOTrainer:
         dev, plen, width = self.device, batch.prompt_length, batch.response_ids.shape[1]
         old_lp, ref_lp, values, after = [], [], [], []
         self.policy.train(False)
-        for rows in torch.arange(len(batch)).split(self.ppo.micro_batch_rows):
+        for rows in self.ranks.local_rows(len(batch)).split(self.ppo.micro_batch_rows):  # this rank's rows
             ids, att, pos = (t[rows].to(dev) for t in (batch.input_ids, batch.attention_mask, batch.position_ids))
             response_ids = batch.response_ids[rows].to(dev)
             logits, vals = self.policy.forward(ids, att, pos)
@@ -194,8 +199,8 @@ class PPOTrainer:
                 values.append(vals[:, plen - 1:plen - 1 + width])  # V(s_t): the state before response token t
                 lengths = batch.response_mask[rows].sum(-1).long().to(dev)  # [b]
                 after.append(vals.gather(1, (plen - 1 + lengths)[:, None]).squeeze(1))  # V after the last token
-        cat = lambda xs: torch.cat(xs) if xs else None  # noqa: E731
-        return torch.cat(old_lp), torch.cat(ref_lp), cat(values), cat(after)
+        cat = lambda xs: self.ranks.gather_rows(torch.cat(xs) if xs else None, len(batch))  # noqa: E731  every row
+        return cat(old_lp), cat(ref_lp), cat(values), cat(after)
 
     @torch.no_grad()
     def assemble(self, batch: RolloutBatch, rewards) -> tuple[TrainBatch, dict]:
@@ -315,7 +320,7 @@ class PPOTrainer:
         tokens = float(minibatch.response_mask.sum())
         seqs = float((minibatch.response_mask.sum(-1) > 0).sum())
         ran, ratio = 0, None
-        for micro in torch.arange(len(minibatch.input_ids)).split(self.ppo.micro_batch_rows):
+        for micro in self.ranks.local_rows(len(minibatch.input_ids)).split(self.ppo.micro_batch_rows):
             part = minibatch.rows(micro.to(device))
             if not part.response_mask.any():  # only rows of dropped groups
                 continue
@@ -330,6 +335,9 @@ class PPOTrainer:
 
     def _update_metrics(self, sums: dict, steps: list[dict], micro_count: int, first_ratio: tuple | None,
                         empty: int) -> dict:
+        summed = self.ranks.sum_floats({**sums, "micro_count": micro_count})  # over the ranks' micro-batches
+        micro_count = summed.pop("micro_count")
+        sums = summed
         metrics = {key: value / (len(steps) if key in _ADDITIVE else max(micro_count, 1))
                    for key, value in sums.items()}
         for key in ("ppo/policy_grad_norm", "value/grad_norm", "ppo/lr"):
@@ -360,6 +368,7 @@ class PPOTrainer:
         out: dict[str, float] = {}
         skipped = False
         if self.uses_critic:
+            self.ranks.sum_grads(self.policy.value_parameters())  # replicated on every rank
             value_norm = float(torch.nn.utils.clip_grad_norm_(self.policy.value_parameters(), self.ppo.grad_clip))
             out["value/grad_norm"] = value_norm
             if math.isfinite(value_norm):
@@ -368,7 +377,9 @@ class PPOTrainer:
                 skipped = True  # a non-finite gradient must never reach the weights
         if train_policy:
             self.masters.grads_to_masters()
-            policy_norm = float(torch.nn.utils.clip_grad_norm_(self.masters.parameters(), self.ppo.grad_clip))
+            # the global norm: FSDP2's gradients are DTensors, whose norm is reduced over the ranks
+            policy_norm = self.ranks.scalar(torch.nn.utils.clip_grad_norm_(self.masters.parameters(),
+                                                                           self.ppo.grad_clip))
             out["ppo/policy_grad_norm"] = policy_norm
             for i, group in enumerate(self.policy_optimizer.param_groups):
                 out["ppo/lr" if i == 0 else f"ppo/lr_group{i}"] = group["lr"]
@@ -392,7 +403,7 @@ class PPOTrainer:
     def iteration(self, iteration: int) -> dict:
         times: dict[str, float] = {}
         with _timer(times, "perf/generate_s"):
-            batch = self.sample(iteration)  # 1
+            batch = self.ranks.from_main(lambda: self.sample(iteration))  # 1 (rank 0 asks the engine)
         with _timer(times, "perf/score_s"):
             rewards, reward_metrics = self.reward(batch)  # 2
         with _timer(times, "perf/assemble_s"):

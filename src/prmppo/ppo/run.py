@@ -54,7 +54,10 @@ class PPORun:
                 log.warning(warning)
             print_summary(self.label, iteration, self.iterations, {**metrics, **evaluated}, self.console)
             last = iteration == self.iterations - 1
-            self.keeper.maybe_save(iteration, self.trainer.policy, self.trainer, force=bool(stop.check()) or last)
-            if stop.reason and not last:
-                return history, stop.reason
+            # every rank must agree to stop after the same iteration (a SIGTERM may reach them apart, and each
+            # rank has its own wall clock); on one process this is stop.check()
+            stopping = self.trainer.ranks.any(bool(stop.check()))
+            self.keeper.maybe_save(iteration, self.trainer.policy, self.trainer, force=stopping or last)
+            if stopping and not last:
+                return history, stop.reason or "a stop on another rank"
         return history, None

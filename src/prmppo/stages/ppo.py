@@ -49,12 +49,17 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from prmppo import artifacts
 from prmppo.config.build import build
+from prmppo.dist.checkpoint import ShardedKeeper
+from prmppo.dist.launch import close_ranks, init_ranks
+from prmppo.dist.ranks import OneProcess, TorchRanks
+from prmppo.dist.shard import GatheredSync, GatheredWriter, check_identical_init, shard_policy
 from prmppo.errors import StopRequested
 from prmppo.evaluation import score
 from prmppo.guards.canary import Canary
@@ -62,7 +67,7 @@ from prmppo.guards.gates import (check_label_source, check_reference, check_roll
                                  check_topology, check_trainable_modules, derive_eos, reference_probe,
                                  verifier_receipt)
 from prmppo.guards.monitors import Monitors, StopFlag, engine_gap_tripwire
-from prmppo.logger import write_json_atomic
+from prmppo.logger import DiscardMetrics, write_json_atomic
 from prmppo.models.loading import load_model, load_tokenizer
 from prmppo.models.prm import build_step_scorer
 from prmppo.ppo.checkpoint import CheckpointKeeper, checkpoint_every
@@ -142,7 +147,7 @@ def _reward(cfg: DictConfig, task, tokenizer, policy, prm_dir: Path | None):
     return build(cfg.reward, "reward", seed=cfg.seed, step_scorer=scorer, task=task)
 
 
-def _canary(cfg: DictConfig, task, tokenizer, policy, run_dir: Path) -> Canary:
+def _canary(cfg: DictConfig, task, tokenizer, policy, path: Path) -> Canary:
     """The canary on the policy being trained: greedy accuracy on the first `canary.n_problems` test problems."""
     def greedy_accuracy(problems) -> float:
         return score(policy.model, tokenizer, task, problems, k=0, temperature=1.0,
@@ -150,7 +155,7 @@ def _canary(cfg: DictConfig, task, tokenizer, policy, run_dir: Path) -> Canary:
                      seed=cfg.seed)["greedy_accuracy"]
 
     return Canary(task.problems("test")[: cfg.canary.n_problems], cfg.canary.every, cfg.canary.max_drop,
-                  run_dir / "canary.jsonl", greedy_accuracy)
+                  path, greedy_accuracy)
 
 
 def _test_eval(cfg: DictConfig, task, tokenizer, policy):
@@ -185,9 +190,9 @@ def _summary(trainer, ppo, history: list[dict], alarms: list[dict], pinned: list
     return summary
 
 
-def _policy(cfg: DictConfig, task, tokenizer, base_dir: Path):
+def _policy(cfg: DictConfig, task, tokenizer, base_dir: Path, device):
     """The base model wrapped as the policy (reference = base), and the base's logits on a probe batch."""
-    model = load_model(base_dir, cfg.model.dtype, train_device(cfg))
+    model = load_model(base_dir, cfg.model.dtype, device)
     # the base's logits on two formatted prompts, before the policy wraps the model: the KL reference must keep them
     probe = reference_probe(model, tokenizer, [task.format_prompt(p) for p in task.problems("train")[:2]])
     policy = build(cfg.lora, "policy", base_model=model, detach_value_hidden=cfg.ppo.detach_value_hidden,
@@ -195,30 +200,68 @@ def _policy(cfg: DictConfig, task, tokenizer, base_dir: Path):
     return policy, probe
 
 
+class _RankPieces:
+    """What differs between one process and N ranks, built once: the weight sync, the checkpoint keeper,
+    the writer of full weights, and what rank 0 alone owns (the engine, metrics, the canary's file)."""
+
+    def __init__(self, cfg: DictConfig, policy, tokenizer, canary_of, run_dir: Path, ranks, iterations: int,
+                 keep: int):
+        every = checkpoint_every(iterations, cfg.rollout.sync_every_iterations)
+        self.ranks, self.main = ranks, ranks.is_main
+        sync = (WeightSync(cfg.rollout.sync, cfg.rollout.sync_every_iterations, run_dir / "sync", tokenizer)
+                if self.main else None)
+        canary_path = run_dir / ("canary.jsonl" if self.main else f"rank{ranks.rank}.canary.jsonl")
+        self.canary = canary_of(canary_path)
+        if not isinstance(ranks, TorchRanks):
+            self.writer, self.sync = None, sync
+            self.keeper = CheckpointKeeper(run_dir, every, keep, self.canary)
+            return
+        check_identical_init(policy, ranks)
+        self.writer = GatheredWriter(policy, ranks)  # its plain copy is made before sharding
+        shard_policy(policy, ranks.device)
+        self.sync = GatheredSync(sync, self.writer, cfg.rollout.sync_every_iterations)
+        self.keeper = ShardedKeeper(run_dir, every, keep, self.canary, ranks)
+
+    def engine(self, cfg: DictConfig, base_dir: Path, run_dir: Path, lora_rank: int):
+        return _engine(cfg, base_dir, run_dir, lora_rank) if self.main else nullcontext(None)
+
+    def metrics(self, cfg: DictConfig, run_dir: Path):
+        return open_metrics(cfg, run_dir, "ppo") if self.main else DiscardMetrics()
+
+    def save_final(self, policy, tokenizer, final: Path) -> None:
+        """Every rank calls this; the HF-layout policy and its value head land in `final` (rank 0 writes)."""
+        full = policy if self.writer is None else self.writer.full_policy()
+        if self.main:
+            full.save_merged(final, tokenizer)
+            save_value_head(policy, final / "value_head.safetensors")
+        self.ranks.barrier()
+
+
 def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict, prm_dir: Path | None,
-              band: Band | None = None) -> dict:
+              band: Band | None = None, ranks=None) -> dict:
     """Run PPO from `base_dir` (with the PRM at `prm_dir` when the reward needs one, on the prompts of `band`
     when given), or resume from the newest complete checkpoint in `run_dir`; returns the summary (final
     checkpoint path included). A coordinated stop saves, closes the worker, writes `stage_result.json` with
-    `stopped` and raises `StopRequested` (exit 3)."""
+    `stopped` and raises `StopRequested` (exit 3). `ranks`: the training ranks (`dist/`), one process if None."""
     gates = dict(gates)
+    ranks = ranks if ranks is not None else OneProcess(train_device(cfg))
     tokenizer = load_tokenizer(base_dir)
     gates["eos"] = derive_eos(base_dir, tokenizer)
-    policy, probe = _policy(cfg, task, tokenizer, base_dir)
+    policy, probe = _policy(cfg, task, tokenizer, base_dir, ranks.device)
     reward = _reward(cfg, task, tokenizer, policy, prm_dir)
     gates["reference"] = check_reference(policy, **probe)  # after the PRM loads: it must not move the reference
     ppo = OmegaConf.to_object(cfg.ppo)
-    sync = WeightSync(cfg.rollout.sync, cfg.rollout.sync_every_iterations, run_dir / "sync", tokenizer)
-    canary = _canary(cfg, task, tokenizer, policy, run_dir)
-    keeper = CheckpointKeeper(run_dir, checkpoint_every(ppo.iterations, cfg.rollout.sync_every_iterations),
-                              ppo.keep_checkpoints, canary)
+    pieces = _RankPieces(cfg, policy, tokenizer, lambda path: _canary(cfg, task, tokenizer, policy, path), run_dir,
+                         ranks, ppo.iterations, ppo.keep_checkpoints)
+    keeper, sync = pieces.keeper, pieces.sync
     keeper.trim_run_files()
     start = time.time()
-    with _engine(cfg, base_dir, run_dir, policy.lora_rank) as engine, open_metrics(cfg, run_dir, "ppo") as logger, \
+    with pieces.engine(cfg, base_dir, run_dir, policy.lora_rank) as engine, pieces.metrics(cfg, run_dir) as logger, \
             StopFlag(cfg.max_wall_seconds, start) as stop:
         trainer = PPOTrainer(policy=policy, tokenizer=tokenizer, task=task, reward=reward, engine=engine, sync=sync,
-                             ppo=ppo, logger=logger, device=train_device(cfg), seed=cfg.seed,
-                             show_progress=cfg.logger.console, prompts=None if band is None else band.problems)
+                             ppo=ppo, logger=logger, device=ranks.device, seed=cfg.seed,
+                             show_progress=cfg.logger.console and ranks.is_main,
+                             prompts=None if band is None else band.problems, ranks=ranks)
         gates["horizon"] = {"policy_optimizer_steps": trainer.shape.policy_steps}  # checked by PPOTrainer
         first = keeper.resume(policy, trainer, sync)
         if first:
@@ -226,21 +269,22 @@ def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict,
                      trainer.policy_steps_taken)
         tripwire, gates["ratio_tripwire"] = engine_gap_tripwire(trainer, ppo.max_first_ratio_dev,
                                                             ppo.max_engine_logprob_gap)
-        write_json_atomic(run_dir / "banner.json", banner(cfg, tokenizer, trainer.shape, base_dir, policy, gates,
-                                                          band))
-        monitors = Monitors(tripwire, canary, _test_eval(cfg, task, tokenizer, policy), cfg.eval.every,
+        if ranks.is_main:
+            write_json_atomic(run_dir / "banner.json", banner(cfg, tokenizer, trainer.shape, base_dir, policy, gates,
+                                                              band))
+        monitors = Monitors(tripwire, pieces.canary, _test_eval(cfg, task, tokenizer, policy), cfg.eval.every,
                             ppo.iterations)
         history, stopped = PPORun(trainer, keeper, monitors, logger, ppo.iterations, f"ppo[{cfg.arm.name}]",
-                                  cfg.logger.console).run(first, stop, start)
+                                  cfg.logger.console and ranks.is_main).run(first, stop, start)
     summary = _summary(trainer, ppo, history, keeper.alarms, keeper.pinned, start)
     summary["band"] = band.summary() if band is not None else None
     if stopped:  # the worker is closed; the checkpoint just saved is where a relaunch continues
         summary.update(stopped=stopped, checkpoint=str(keeper.checkpoint))
-        write_stage_result(run_dir, cfg, "ppo", summary)
+        if ranks.is_main:
+            write_stage_result(run_dir, cfg, "ppo", summary)
         raise StopRequested(stopped, str(keeper.checkpoint))
     final = run_dir / "checkpoints" / "final"
-    policy.save_merged(final, tokenizer)
-    save_value_head(policy, final / "value_head.safetensors")
+    pieces.save_final(policy, tokenizer, final)
     return {"checkpoint": str(final), **summary}
 
 
@@ -252,18 +296,32 @@ def publish_policy(cfg: DictConfig, checkpoint: Path, summary: dict) -> Path:
     return artifacts.publish(tmp, final, cfg, "ppo", summary)
 
 
+def _main_first(ranks, make):
+    """`make()` on rank 0, then on the other ranks, which find its artifact made and reuse it: the stages
+    before PPO (SFT, PRM, band) run on one process."""
+    result = make() if ranks.is_main else None
+    ranks.barrier()
+    return result if ranks.is_main else make()
+
+
 def run(cfg: DictConfig, run_dir: Path) -> dict:
     """Stage `ppo`: the SFT checkpoint (and PRM, and band) of this config, reused or made, then PPO; publishes
-    the policy."""
+    the policy. Under `topology=fsdp` every rank runs this (torchrun); rank 0 writes the results."""
     start = time.time()
     task = build(cfg.task, "task")
     gates = early_gates(cfg, task)
     band = existing_band(cfg, task)  # a band that exists is checked before any weights
-    sft_dir, _ = ensure_sft(cfg, task, run_dir, reuse=True)
-    prm_dir = ensure_prm(cfg, task, run_dir, sft_dir, reuse=True)[0] if needs_learned_prm(cfg) else None
-    band = ppo_band(cfg, task, run_dir, sft_dir, band)
-    summary = train_ppo(cfg, task, sft_dir, run_dir, gates, prm_dir, band)
-    summary["artifact"] = str(publish_policy(cfg, Path(summary["checkpoint"]), summary))
-    summary["wall_seconds"] = time.time() - start
-    write_stage_result(run_dir, cfg, "ppo", summary)
-    return summary
+    ranks = init_ranks(cfg.topology.name, cfg.topology.train_device, run_dir)
+    try:
+        sft_dir, _ = _main_first(ranks, lambda: ensure_sft(cfg, task, run_dir, reuse=True))
+        prm_dir = (_main_first(ranks, lambda: ensure_prm(cfg, task, run_dir, sft_dir, reuse=True))[0]
+                   if needs_learned_prm(cfg) else None)
+        band = _main_first(ranks, lambda: ppo_band(cfg, task, run_dir, sft_dir, band))
+        summary = train_ppo(cfg, task, sft_dir, run_dir, gates, prm_dir, band, ranks)
+        if ranks.is_main:
+            summary["artifact"] = str(publish_policy(cfg, Path(summary["checkpoint"]), summary))
+            summary["wall_seconds"] = time.time() - start
+            write_stage_result(run_dir, cfg, "ppo", summary)
+        return summary
+    finally:
+        close_ranks(ranks)

@@ -1,0 +1,142 @@
+"""FSDP2 sharding of the policy, and the full weights gathered to rank 0 for everything written as files.
+
+`shard_policy`: `fully_shard` on every decoder block and then at the root of the policy's model
+(the peft model for `lora=adapter`: the LoRA factors, a PRM adapter and `modules_to_save` are
+sharded with the blocks they sit in) and of the frozen reference (`lora=none`). On CUDA the blocks
+compute in bf16 with fp32 gradient reduction over fp32 sharded master weights
+(`MixedPrecisionPolicy`); on CPU everything stays fp32. The value head (hidden_size + 1 numbers)
+is replicated: every rank holds it whole, its gradients are summed by `TorchRanks.sum_grads`.
+Gradients are summed, not averaged, over the ranks (divide factor 1): each rank's loss is already
+its share of the global minibatch mean.
+
+`GatheredWriter`: weight sync, checkpoints' HF files and the final policy need the full weights as
+ordinary tensors. `get_model_state_dict(full_state_dict=True, cpu_offload=True)` gathers them (a
+collective: every rank calls it) onto rank 0's CPU, where they are loaded into a plain copy of the
+policy made before sharding, whose existing `save_merged` / `save_adapter` write them.
+Simplification: that copy costs rank 0 one model (two for `lora=none`, whose copy keeps its
+reference) of host memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from prmppo.errors import PrmppoError
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a causal LM (the `layers` ModuleList of Mistral, Llama, Qwen2 ...)."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and name.split(".")[-1] in ("layers", "h", "blocks"):
+            return list(module)
+    raise PrmppoError(f"topology=fsdp: found no decoder block list (a ModuleList named layers, h or blocks) in "
+                      f"{type(model).__name__}; FSDP2 shards block by block")
+
+
+def _shard(model: nn.Module, device: torch.device) -> None:
+    mixed = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+             if device.type == "cuda" else MixedPrecisionPolicy())
+    for block in decoder_blocks(model):
+        fully_shard(block, mp_policy=mixed)
+    fully_shard(model, mp_policy=mixed)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # sum over ranks: each loss is a share of the global mean
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+
+
+def shard_policy(policy, device: torch.device) -> None:
+    """Shard the policy's model (and a separate reference) in place; the value head stays replicated."""
+    _shard(policy.model, device)
+    reference = getattr(policy, "reference", None)
+    if reference is not None:
+        _shard(reference, device)
+
+
+def weights_digest(modules: list[nn.Module]) -> str:
+    """A hash of every parameter and buffer of `modules` (unsharded), to compare ranks' starting weights."""
+    digest = hashlib.sha256()
+    for module in modules:
+        for name, tensor in sorted(module.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(tensor.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def check_identical_init(policy, ranks) -> None:
+    """Refuse to train when the ranks start from different weights (before sharding: a rank-dependent
+    seed, a different checkpoint on a node's disk): FSDP would silently mix their shards."""
+    modules = [m for m in (policy.model, getattr(policy, "reference", None), policy.value_head) if m is not None]
+    digests = [None] * ranks.world_size
+    dist.all_gather_object(digests, weights_digest(modules))
+    if len(set(digests)) > 1:
+        differing = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise PrmppoError(f"topology=fsdp: ranks {differing} start from different weights than rank 0 (a different "
+                          "model file on their node, or an initialisation that is not seeded the same on every rank)")
+
+
+class GatheredWriter:
+    """Writes the full policy from rank 0: weight sync, the final policy, checkpoints' adapter/model files."""
+
+    def __init__(self, policy, ranks):
+        self.policy, self.ranks = policy, ranks
+        # made before sharding, on rank 0's CPU: a shallow copy of the policy with its own copy of the model
+        # (no reference: only the policy is ever written; the value head is replicated, so shared)
+        self.copy = None
+        if ranks.is_main:
+            self.copy = copy.copy(policy)
+            self.copy.model = copy.deepcopy(policy.model).to("cpu")
+            if hasattr(self.copy, "reference"):
+                self.copy.reference = None
+
+    def full_policy(self):
+        """Every rank calls this (a collective); rank 0 gets the plain copy holding the current weights,
+        the others None."""
+        state = get_model_state_dict(self.policy.model,
+                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.copy is None:
+            return None
+        result = self.copy.model.load_state_dict(state, strict=False)
+        if result.unexpected_keys or any(k not in _tied(self.copy.model) for k in result.missing_keys):
+            raise PrmppoError(f"gathered weights do not fit the policy: missing {result.missing_keys[:3]}, "
+                              f"unexpected {result.unexpected_keys[:3]}")
+        return self.copy
+
+
+def _tied(model: nn.Module) -> set[str]:
+    """Names of parameters that share storage with an earlier one (a full state dict may leave them out)."""
+    seen, tied = {}, set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            tied.add(name)
+        seen.setdefault(id(p), name)
+    return tied
+
+
+class GatheredSync:
+    """`WeightSync` for N ranks: every rank joins the gather on the sync cadence, rank 0 writes and serves."""
+
+    def __init__(self, sync, writer: GatheredWriter, every_iterations: int):
+        self.sync, self.writer = sync, writer  # `sync` (a WeightSync) is None on ranks other than 0
+        self.every_iterations = every_iterations
+
+    @property
+    def served(self):
+        return self.sync.served
+
+    def push(self, policy):
+        full = self.writer.full_policy()
+        return None if self.sync is None else self.sync.push(full)
+
+    def maybe_sync(self, policy, iteration: int) -> bool:
+        if (iteration + 1) % self.every_iterations:
+            return False
+        self.push(policy)
+        return True
