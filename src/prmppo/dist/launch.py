@@ -97,7 +97,7 @@ def init_ranks(topology_name: str, train_device: str, run_dir: Path, environ=os.
     handler = logging.FileHandler(Path(run_dir) / f"rank{rank}.log")
     handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"))
     logging.getLogger("prmppo").addHandler(handler)
-    log.info("rank %d of %d on %s (%s)", rank, ranks.world_size, device, dist.get_backend())
+    log.info("rank %d of %d on %s (%s), pid %d", rank, ranks.world_size, device, dist.get_backend(), os.getpid())
     return ranks
 
 

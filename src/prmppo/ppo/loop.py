@@ -19,12 +19,13 @@ One iteration (`PPOTrainer.iteration`) reads like the algorithm:
 
 The critic exists only for `advantage_estimator=gae`. Old logprobs and the update both run with
 dropout off, so the first minibatch's ratio is exactly 1 whatever `lora.dropout` says. Written
-for N ranks: loss denominators are explicit minibatch token counts, so gradient accumulation over
-micro-batches (and, later, ranks) gives the exact minibatch mean; only this process talks to the
-rollout worker. A minibatch left without a response token (all its rows dropped) takes no optimizer
+for N ranks (`ranks`, dist/ranks.py; one process by default): every rank holds the whole batch, so
+loss denominators (explicit minibatch token counts), whitening and group statistics are global;
+each rank runs its block of the rows, and summing the micro-batches' gradients over the ranks gives
+the exact minibatch mean; only rank 0 talks to the rollout worker. A minibatch left without a response token (all its rows dropped) takes no optimizer
 step but still advances the LR schedule, so the schedule ends where the planned policy steps end; an
-iteration whose every group is dropped updates nothing (`ppo/update_skipped`). Simplifications: one
-rank, one device; dropped groups are not resampled (DAPO refills the batch), and their rows still
+iteration whose every group is dropped updates nothing (`ppo/update_skipped`; one rank only).
+Simplifications: dropped groups are not resampled (DAPO refills the batch), and their rows still
 go through the forward passes of assemble.
 """
 

@@ -5,6 +5,7 @@
     python -m prmppo stage=ppo debug=smoke                 # seconds: 2 iterations on tiny shapes
     python -m prmppo stage=ppo band.enabled=true           # prompts from this config's pass-rate band
     python -m prmppo stage=ppo band.file=<band.jsonl> ppo.drop_uniform_groups=true
+    torchrun --nproc_per_node=2 -m prmppo stage=ppo topology=fsdp hydra.run.dir=runs/r   # 2 FSDP2 ranks
 
 Composition only: the launch gates (`guards/gates.py`: verifier receipt, topology, engine, step
 scores, EOS, reference == base; their findings go into the banner) run before any policy weights
@@ -26,6 +27,10 @@ Test accuracy during PPO: before the first iteration, every `eval.every` iterati
 last, greedy and sampled accuracy on the first `eval.during_ppo_problems` test problems, logged as
 rows with `"stage": "ppo_eval"` (x axis `eval/ppo_iterations`, the iterations done); canary checks
 add `canary/` metrics to the iteration's row.
+
+Several ranks (`topology=fsdp`, `dist/`): every rank runs this module; `_RankPieces` holds what differs
+from one process (the policy sharded after the PRM loads, the weight sync and the final save through
+full weights gathered to rank 0, sharded checkpoints; the engine, metrics and banner on rank 0 only).
 
 Stop and resume (`ppo/checkpoint.py`): a resumable checkpoint is saved every
 `checkpoint_every(ppo.iterations, rollout.sync_every_iterations)` iterations (about 4 per run, on
