@@ -68,3 +68,10 @@ def test_a_multi_rank_launch_without_a_run_dir_is_refused(tmp_path):
     assert proc.returncode == EXIT_REFUSED, proc.stderr[-2000:]
     assert "no hydra.run.dir=<dir> was given" in proc.stderr
     assert not (Path(tmp_path) / "runs").exists() or not any((Path(tmp_path) / "runs").rglob("metrics.jsonl"))
+
+
+def test_the_gpu_count_gate_counts_the_ranks_of_this_node():
+    from prmppo.dist.launch import ranks_on_this_node
+
+    assert ranks_on_this_node(8, environ={**TORCHRUN_ENV, "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}) == 4
+    assert ranks_on_this_node(8, environ={}) == 8

@@ -30,6 +30,8 @@ from prmppo.ppo.checkpoint import (FORMAT_VERSION, MARKER, CheckpointError, Chec
                                    checkpoint_name, prune_checkpoints, read_meta)
 
 OPTIONS = StateDictOptions(ignore_frozen_params=True)
+# loading: the frozen weights are absent on purpose (checked below: nothing trainable may be missing)
+LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def _sharded_state(policy, trainer) -> dict:
@@ -100,8 +102,13 @@ def load_sharded(ckpt_dir: Path, policy, trainer, ranks) -> int:
     _check_fits(ckpt_dir, meta, trainer, ranks.world_size)
     state = _sharded_state(policy, trainer)
     dcp.load(state, checkpoint_id=str(ckpt_dir / "sharded"))
-    set_state_dict(policy.model, trainer.policy_optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"], options=OPTIONS)
+    result = set_state_dict(policy.model, trainer.policy_optimizer, model_state_dict=state["model"],
+                            optim_state_dict=state["optim"], options=LOAD_OPTIONS)
+    trainable = {name for name, p in policy.model.named_parameters() if p.requires_grad}
+    missing = sorted(trainable & set(result.missing_keys))
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"{ckpt_dir}/sharded does not fit this policy: trainable weights missing {missing[:3]}, "
+                              f"unexpected {list(result.unexpected_keys)[:3]}")
     if policy.value_head is not None:
         device = str(next(policy.value_head.parameters()).device)
         policy.value_head.load_state_dict(load_file(str(ckpt_dir / "value_head.safetensors"), device=device))

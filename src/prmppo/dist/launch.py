@@ -52,6 +52,12 @@ def torchrun_world_size(environ=os.environ) -> int | None:
     return int(environ["WORLD_SIZE"])
 
 
+def ranks_on_this_node(train_world_size: int, environ=os.environ) -> int:
+    """The training ranks (one GPU each) on this machine: torchrun's LOCAL_WORLD_SIZE (several nodes share
+    `topology.train_world_size`), or all of them outside torchrun."""
+    return int(environ.get("LOCAL_WORLD_SIZE", train_world_size)) if torchrun_world_size(environ) else train_world_size
+
+
 def check_launch(topology_name: str, train_world_size: int, environ=os.environ) -> None:
     """`topology=fsdp` runs under torchrun with WORLD_SIZE == topology.train_world_size; any other
     topology on one process (N copies of a one-process job would each run the whole job)."""

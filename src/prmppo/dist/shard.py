@@ -2,9 +2,10 @@
 
 `shard_policy`: `fully_shard` on every decoder block and then at the root of the policy's model
 (the peft model for `lora=adapter`: the LoRA factors, a PRM adapter and `modules_to_save` are
-sharded with the blocks they sit in) and of the frozen reference (`lora=none`). On CUDA the blocks
-compute in bf16 with fp32 gradient reduction over fp32 sharded master weights
-(`MixedPrecisionPolicy`); on CPU everything stays fp32. The value head (hidden_size + 1 numbers)
+sharded with the blocks they sit in) and of the frozen reference (`lora=none`). The sharded
+weights are fp32 (they are the master weights: the stage loads them in fp32 under several ranks);
+forward and backward compute in `model.dtype` (bf16 on a GPU) and gradients are reduced in fp32
+(`MixedPrecisionPolicy`); with `model.dtype=float32` (CPU) nothing is cast. The value head (hidden_size + 1 numbers)
 is replicated: every rank holds it whole, its gradients are summed by `TorchRanks.sum_grads`.
 Gradients are summed, not averaged, over the ranks (divide factor 1): each rank's loss is already
 its share of the global minibatch mean.
@@ -40,9 +41,8 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
                       f"{type(model).__name__}; FSDP2 shards block by block")
 
 
-def _shard(model: nn.Module, device: torch.device) -> None:
-    mixed = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-             if device.type == "cuda" else MixedPrecisionPolicy())
+def _shard(model: nn.Module, compute_dtype: torch.dtype) -> None:
+    mixed = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for block in decoder_blocks(model):
         fully_shard(block, mp_policy=mixed)
     fully_shard(model, mp_policy=mixed)
@@ -52,12 +52,16 @@ def _shard(model: nn.Module, device: torch.device) -> None:
             module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
 
 
-def shard_policy(policy, device: torch.device) -> None:
-    """Shard the policy's model (and a separate reference) in place; the value head stays replicated."""
-    _shard(policy.model, device)
+def shard_policy(policy, compute_dtype: torch.dtype) -> None:
+    """Shard the policy's fp32 model (and a separate reference) in place, computing in `compute_dtype`; the
+    value head stays replicated."""
+    low = [name for name, p in policy.model.named_parameters() if p.dtype != torch.float32][:3]
+    if low:
+        raise PrmppoError(f"topology=fsdp shards fp32 weights (the master weights), but {low} are not fp32")
+    _shard(policy.model, compute_dtype)
     reference = getattr(policy, "reference", None)
     if reference is not None:
-        _shard(reference, device)
+        _shard(reference, compute_dtype)
 
 
 def weights_digest(modules: list[nn.Module]) -> str:

@@ -52,6 +52,7 @@ weights, where the uninterrupted run would still sample with the last synced one
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from contextlib import nullcontext
@@ -62,7 +63,7 @@ from omegaconf import DictConfig, OmegaConf
 from prmppo import artifacts
 from prmppo.config.build import build
 from prmppo.dist.checkpoint import ShardedKeeper
-from prmppo.dist.launch import close_ranks, init_ranks
+from prmppo.dist.launch import close_ranks, init_ranks, ranks_on_this_node
 from prmppo.dist.ranks import OneProcess, TorchRanks
 from prmppo.dist.shard import GatheredSync, GatheredWriter, check_identical_init, shard_policy
 from prmppo.errors import StopRequested
@@ -73,7 +74,7 @@ from prmppo.guards.gates import (check_label_source, check_reference, check_roll
                                  verifier_receipt)
 from prmppo.guards.monitors import Monitors, StopFlag, engine_gap_tripwire
 from prmppo.logger import DiscardMetrics, write_json_atomic
-from prmppo.models.loading import load_model, load_tokenizer
+from prmppo.models.loading import DTYPES, load_model, load_tokenizer
 from prmppo.models.prm import build_step_scorer
 from prmppo.ppo.checkpoint import CheckpointKeeper, checkpoint_every
 from prmppo.ppo.loop import PPOTrainer, save_value_head
@@ -126,8 +127,8 @@ def early_gates(cfg: DictConfig, task) -> dict:
     topology, reward = cfg.topology, build(cfg.reward, "reward", seed=cfg.seed)
     architecture, architecture_source = build(cfg.model, "model source").architecture()
     return {"verifier_receipt": verifier_receipt(task, seed=cfg.seed),
-            "topology": check_topology(topology.train_device, topology.engine_device, topology.train_world_size,
-                                       topology.colocated),
+            "topology": check_topology(topology.train_device, topology.engine_device,
+                                       ranks_on_this_node(topology.train_world_size), topology.colocated),
             "rollout_engine": check_rollout_engine(cfg.rollout.engine, cfg.rollout.python,
                                                    head_dim(architecture), architecture_source),
             "step_scorer": check_step_scorer(task, reward),
@@ -195,9 +196,11 @@ def _summary(trainer, ppo, history: list[dict], alarms: list[dict], pinned: list
     return summary
 
 
-def _policy(cfg: DictConfig, task, tokenizer, base_dir: Path, device):
-    """The base model wrapped as the policy (reference = base), and the base's logits on a probe batch."""
-    model = load_model(base_dir, cfg.model.dtype, device)
+def _policy(cfg: DictConfig, task, tokenizer, base_dir: Path, ranks):
+    """The base model wrapped as the policy (reference = base), and the base's logits on a probe batch. Under
+    several ranks the weights load in fp32: FSDP2 computes in `model.dtype` over fp32 sharded weights."""
+    dtype = "float32" if isinstance(ranks, TorchRanks) else cfg.model.dtype
+    model = load_model(base_dir, dtype, ranks.device)
     # the base's logits on two formatted prompts, before the policy wraps the model: the KL reference must keep them
     probe = reference_probe(model, tokenizer, [task.format_prompt(p) for p in task.problems("train")[:2]])
     policy = build(cfg.lora, "policy", base_model=model, detach_value_hidden=cfg.ppo.detach_value_hidden,
@@ -215,15 +218,15 @@ class _RankPieces:
         self.ranks, self.main = ranks, ranks.is_main
         sync = (WeightSync(cfg.rollout.sync, cfg.rollout.sync_every_iterations, run_dir / "sync", tokenizer)
                 if self.main else None)
-        canary_path = run_dir / ("canary.jsonl" if self.main else f"rank{ranks.rank}.canary.jsonl")
-        self.canary = canary_of(canary_path)
+        # every rank runs the canary (its generation goes through the sharded model); rank 0 keeps the rows
+        self.canary = canary_of(run_dir / "canary.jsonl" if self.main else Path(os.devnull))
         if not isinstance(ranks, TorchRanks):
             self.writer, self.sync = None, sync
             self.keeper = CheckpointKeeper(run_dir, every, keep, self.canary)
             return
         check_identical_init(policy, ranks)
         self.writer = GatheredWriter(policy, ranks)  # its plain copy is made before sharding
-        shard_policy(policy, ranks.device)
+        shard_policy(policy, DTYPES[cfg.model.dtype])  # fp32 weights, compute in model.dtype
         self.sync = GatheredSync(sync, self.writer, cfg.rollout.sync_every_iterations)
         self.keeper = ShardedKeeper(run_dir, every, keep, self.canary, ranks)
 
@@ -252,7 +255,7 @@ def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict,
     ranks = ranks if ranks is not None else OneProcess(train_device(cfg))
     tokenizer = load_tokenizer(base_dir)
     gates["eos"] = derive_eos(base_dir, tokenizer)
-    policy, probe = _policy(cfg, task, tokenizer, base_dir, ranks.device)
+    policy, probe = _policy(cfg, task, tokenizer, base_dir, ranks)
     reward = _reward(cfg, task, tokenizer, policy, prm_dir)
     gates["reference"] = check_reference(policy, **probe)  # after the PRM loads: it must not move the reference
     ppo = OmegaConf.to_object(cfg.ppo)
