@@ -237,9 +237,13 @@ class RolloutClient:
         ]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log_file:  # the child keeps its own copy of the fd
+            # its own session: a SIGTERM to the trainer's process group (torchrun or SLURM stopping the job)
+            # must not kill the engine mid-request before the coordinated stop; the trainer closes it, and it
+            # exits by itself when the trainer dies (the parent check in the worker's loop)
             self._proc = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                 env=worker_env(worker_import_dir(self.spool.root / WORKER_IMPORT_DIR), self.env),
+                start_new_session=True,
             )
         self._served = None
         deadline = time.monotonic() + self.startup_timeout_s
