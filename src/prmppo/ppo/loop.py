@@ -22,11 +22,11 @@ dropout off, so the first minibatch's ratio is exactly 1 whatever `lora.dropout`
 for N ranks (`ranks`, dist/ranks.py; one process by default): every rank holds the whole batch, so
 loss denominators (explicit minibatch token counts), whitening and group statistics are global;
 each rank runs its block of the rows, and summing the micro-batches' gradients over the ranks gives
-the exact minibatch mean; only rank 0 talks to the rollout worker. A minibatch left without a response token (all its rows dropped) takes no optimizer
-step but still advances the LR schedule, so the schedule ends where the planned policy steps end; an
-iteration whose every group is dropped updates nothing (`ppo/update_skipped`; one rank only).
-Simplifications: dropped groups are not resampled (DAPO refills the batch), and their rows still
-go through the forward passes of assemble.
+the exact minibatch mean; only rank 0 talks to the rollout worker. A minibatch left without a
+response token (all its rows dropped) takes no optimizer step but still advances the LR schedule,
+so the schedule ends where the planned policy steps end; an iteration whose every group is dropped
+updates nothing (`ppo/update_skipped`; one rank only). Simplifications: dropped groups are not
+resampled (DAPO refills the batch), and their rows still go through the forward passes of assemble.
 """
 
 from __future__ import annotations
@@ -200,7 +200,8 @@ class PPOTrainer:
                 values.append(vals[:, plen - 1:plen - 1 + width])  # V(s_t): the state before response token t
                 lengths = batch.response_mask[rows].sum(-1).long().to(dev)  # [b]
                 after.append(vals.gather(1, (plen - 1 + lengths)[:, None]).squeeze(1))  # V after the last token
-        cat = lambda xs: self.ranks.gather_rows(torch.cat(xs) if xs else None, len(batch))  # noqa: E731  every row
+        # every rank's rows, in row order
+        cat = lambda xs: self.ranks.gather_rows(torch.cat(xs) if xs else None, len(batch))  # noqa: E731
         return cat(old_lp), cat(ref_lp), cat(values), cat(after)
 
     @torch.no_grad()
@@ -336,9 +337,8 @@ class PPOTrainer:
 
     def _update_metrics(self, sums: dict, steps: list[dict], micro_count: int, first_ratio: tuple | None,
                         empty: int) -> dict:
-        summed = self.ranks.sum_floats({**sums, "micro_count": micro_count})  # over the ranks' micro-batches
-        micro_count = summed.pop("micro_count")
-        sums = summed
+        sums = self.ranks.sum_floats({**sums, "micro_count": micro_count})  # over every rank's micro-batches
+        micro_count = sums.pop("micro_count")
         metrics = {key: value / (len(steps) if key in _ADDITIVE else max(micro_count, 1))
                    for key, value in sums.items()}
         for key in ("ppo/policy_grad_norm", "value/grad_norm", "ppo/lr"):
