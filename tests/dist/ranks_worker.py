@@ -5,10 +5,13 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from prmppo.dist.launch import LaunchError, close_ranks, init_ranks
+from prmppo.dist.shard import check_identical_init
+from prmppo.errors import PrmppoError
 
 out, dirs = Path(sys.argv[1]), sys.argv[2:4]
 rank = int(os.environ["RANK"])
@@ -30,5 +33,12 @@ else:
     grad.grad = torch.full((3,), float(rank + 1))
     ranks.sum_grads([grad])
     seen["summed_grad"] = grad.grad.tolist()
+    for name, seed in (("same_init", 0), ("different_init", rank)):  # a rank-dependent seed must be refused
+        torch.manual_seed(seed)
+        try:
+            check_identical_init(SimpleNamespace(model=torch.nn.Linear(3, 2), value_head=None), ranks)
+            seen[name] = "accepted"
+        except PrmppoError as err:
+            seen[name] = str(err)
     close_ranks(ranks)
 (out / f"rank{rank}.json").write_text(json.dumps(seen))

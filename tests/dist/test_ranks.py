@@ -1,5 +1,6 @@
 """`TorchRanks` on two CPU processes (gloo, torchrun): the rows each rank runs, gathers back in row order,
-sums, the batch from rank 0, agreement on a stop, and the refusal of ranks given different run dirs."""
+sums, the batch from rank 0, agreement on a stop, and the refusals of ranks given different run dirs or
+different starting weights."""
 
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ def test_torch_ranks_split_gather_and_sum(tmp_path):
     assert zero["any"] == one["any"] == [True, False]
     assert zero["summed_grad"] == one["summed_grad"] == [3.0, 3.0, 3.0]
     assert (Path(run_dir) / "rank0.log").is_file() and (Path(run_dir) / "rank1.log").is_file()
+    assert zero["same_init"] == one["same_init"] == "accepted"
+    for seen in (zero, one):  # FSDP would silently mix shards of different weights
+        assert "ranks [1] start from different weights than rank 0" in seen["different_init"]
 
 
 def test_ranks_given_different_run_dirs_are_refused(tmp_path):
