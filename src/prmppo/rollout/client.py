@@ -10,7 +10,8 @@ schema (`config/schema.py RolloutConfig`) holds the timeouts' defaults; the clas
 `start()` clears stale spool files, launches `python -m prmppo.rollout.worker` (output appended
 to `log_path`) with `python` (the trainer's interpreter, or an engine's own environment: the
 worker's PYTHONPATH gets a directory holding only a link to this prmppo package, see
-`worker_import_dir`) and waits for the heartbeat to say "ready"; an engine that cannot start
+`worker_import_dir`) and waits for the heartbeat to say "ready" (`launch()` and `wait_ready()` are
+its two halves, so the worker's start can overlap the trainer's own set-up); an engine that cannot start
 raises `EngineStartError` with the worker's one-line cause and the log path
 (`probe_engine_python` checks beforehand, in seconds, that an interpreter can run an engine).
 `generate()` writes the request and polls for its result while watching three ways the worker
@@ -176,6 +177,7 @@ class RolloutClient:
         self.env = env
         self.engine_options = dict(engine_options or {})
         self._proc: subprocess.Popen | None = None
+        self._launched_at = 0.0
         self._served: WeightsSpec | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -195,7 +197,10 @@ class RolloutClient:
         return self._proc is not None and self._proc.poll() is None
 
     def __enter__(self) -> "RolloutClient":
-        self.start()
+        """Start the worker, or wait for the one `launch` started, until its heartbeat says "ready"."""
+        if self._proc is None:
+            self.launch()
+        self.wait_ready()
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -227,6 +232,12 @@ class RolloutClient:
 
     def start(self) -> None:
         """Launch the worker and wait until its heartbeat says "ready"."""
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the worker process and return at once: its imports and engine load overlap with
+        whatever the caller does next; `wait_ready` (or entering the client) waits for it."""
         if self._proc is not None and self._proc.poll() is None:
             raise RolloutWorkerError(f"worker pid {self._proc.pid} is already running; close() it first")
         self._clear_spool()
@@ -242,7 +253,13 @@ class RolloutClient:
                 env=worker_env(worker_import_dir(self.spool.root / WORKER_IMPORT_DIR), self.env),
             )
         self._served = None
-        deadline = time.monotonic() + self.startup_timeout_s
+        self._launched_at = time.monotonic()
+
+    def wait_ready(self) -> None:
+        """Wait until the launched worker's heartbeat says "ready" (within `startup_timeout_s` of the launch)."""
+        if self._proc is None:
+            raise RolloutWorkerError("rollout worker is not running: call launch() or start() first")
+        deadline = self._launched_at + self.startup_timeout_s
         while time.monotonic() < deadline:
             beat = self._read_heartbeat()
             if beat is not None and beat["status"] == "failed" or self._proc.poll() is not None:

@@ -9,7 +9,9 @@
 Composition only: the launch gates (`guards/gates.py`: verifier receipt, topology, engine, step
 scores, EOS, reference == base; their findings go into the banner) run before any policy weights
 load; then the components are built whole (policy, reward with its step scorer, weight sync,
-rollout worker on the SFT checkpoint, trainer), `banner.json` is written, and the outer loop
+rollout worker on the SFT checkpoint, trainer; the worker process is launched right after the
+policy, so its start overlaps the rest), `banner.json` is written with the seconds each part of
+the start-up took (`startup_s`, `logger/laps.py`), and the outer loop
 (`ppo/run.py`) runs `ppo.iterations` iterations of `PPOTrainer` with the monitors
 (`guards/monitors.py`) and the checkpoint keeper (`ppo/checkpoint.py`). The final policy is saved
 as an HF-layout checkpoint (also published as the stage's artifact for `eval`), and
@@ -63,6 +65,7 @@ from prmppo.guards.gates import (check_label_source, check_reference, check_roll
                                  verifier_receipt)
 from prmppo.guards.monitors import Monitors, StopFlag, engine_gap_tripwire
 from prmppo.logger import write_json_atomic
+from prmppo.logger.laps import Laps
 from prmppo.models.loading import load_model, load_tokenizer
 from prmppo.models.prm import build_step_scorer
 from prmppo.ppo.checkpoint import CheckpointKeeper, checkpoint_every
@@ -201,33 +204,49 @@ def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict,
     when given), or resume from the newest complete checkpoint in `run_dir`; returns the summary (final
     checkpoint path included). A coordinated stop saves, closes the worker, writes `stage_result.json` with
     `stopped` and raises `StopRequested` (exit 3)."""
-    gates = dict(gates)
-    tokenizer = load_tokenizer(base_dir)
-    gates["eos"] = derive_eos(base_dir, tokenizer)
-    policy, probe = _policy(cfg, task, tokenizer, base_dir)
-    reward = _reward(cfg, task, tokenizer, policy, prm_dir)
-    gates["reference"] = check_reference(policy, **probe)  # after the PRM loads: it must not move the reference
-    ppo = OmegaConf.to_object(cfg.ppo)
-    sync = WeightSync(cfg.rollout.sync, cfg.rollout.sync_every_iterations, run_dir / "sync", tokenizer)
-    canary = _canary(cfg, task, tokenizer, policy, run_dir)
-    keeper = CheckpointKeeper(run_dir, checkpoint_every(ppo.iterations, cfg.rollout.sync_every_iterations),
-                              ppo.keep_checkpoints, canary)
-    keeper.trim_run_files()
+    gates, laps = dict(gates), Laps()
+    with laps.lap("tokenizer"):
+        tokenizer = load_tokenizer(base_dir)
+        gates["eos"] = derive_eos(base_dir, tokenizer)
+    with laps.lap("policy"):
+        policy, probe = _policy(cfg, task, tokenizer, base_dir)
+    engine = _engine(cfg, base_dir, run_dir, policy.lora_rank)
+    engine.launch()  # the worker starts while the trainer sets up; `with engine` below waits for it
     start = time.time()
-    with _engine(cfg, base_dir, run_dir, policy.lora_rank) as engine, open_metrics(cfg, run_dir, "ppo") as logger, \
-            StopFlag(cfg.max_wall_seconds, start) as stop:
-        trainer = PPOTrainer(policy=policy, tokenizer=tokenizer, task=task, reward=reward, engine=engine, sync=sync,
-                             ppo=ppo, logger=logger, device=train_device(cfg), seed=cfg.seed,
-                             show_progress=cfg.logger.console, prompts=None if band is None else band.problems)
+    try:
+        with laps.lap("reward"):
+            reward = _reward(cfg, task, tokenizer, policy, prm_dir)
+        with laps.lap("reference_gate"):  # after the PRM loads: it must not move the reference
+            gates["reference"] = check_reference(policy, **probe)
+        ppo = OmegaConf.to_object(cfg.ppo)
+        sync = WeightSync(cfg.rollout.sync, cfg.rollout.sync_every_iterations, run_dir / "sync", tokenizer)
+        canary = _canary(cfg, task, tokenizer, policy, run_dir)
+        keeper = CheckpointKeeper(run_dir, checkpoint_every(ppo.iterations, cfg.rollout.sync_every_iterations),
+                                  ppo.keep_checkpoints, canary)
+        keeper.trim_run_files()
+        with laps.lap("worker_ready"):  # what is left of the worker's start after the set-up above
+            engine.wait_ready()
+    except BaseException:
+        engine.close()
+        raise
+    with engine, open_metrics(cfg, run_dir, "ppo") as logger, StopFlag(cfg.max_wall_seconds, start) as stop:
+        with laps.lap("trainer"):
+            trainer = PPOTrainer(policy=policy, tokenizer=tokenizer, task=task, reward=reward, engine=engine,
+                                 sync=sync, ppo=ppo, logger=logger, device=train_device(cfg), seed=cfg.seed,
+                                 show_progress=cfg.logger.console, prompts=None if band is None else band.problems)
         gates["horizon"] = {"policy_optimizer_steps": trainer.shape.policy_steps}  # checked by PPOTrainer
-        first = keeper.resume(policy, trainer, sync)
+        with laps.lap("resume"):
+            first = keeper.resume(policy, trainer, sync)
         if first:
             log.info("resumed from %s at ppo iteration %d (%d policy steps taken)", keeper.checkpoint, first,
                      trainer.policy_steps_taken)
-        tripwire, gates["ratio_tripwire"] = engine_gap_tripwire(trainer, ppo.max_first_ratio_dev,
-                                                            ppo.max_engine_logprob_gap)
-        write_json_atomic(run_dir / "banner.json", banner(cfg, tokenizer, trainer.shape, base_dir, policy, gates,
-                                                          band))
+        with laps.lap("engine_gap_gate"):
+            tripwire, gates["ratio_tripwire"] = engine_gap_tripwire(trainer, ppo.max_first_ratio_dev,
+                                                                    ppo.max_engine_logprob_gap)
+        record = banner(cfg, tokenizer, trainer.shape, base_dir, policy, gates, band)
+        record["startup_s"] = laps.as_dict()
+        write_json_atomic(run_dir / "banner.json", record)
+        log.info("start-up (s): %s", record["startup_s"])
         monitors = Monitors(tripwire, canary, _test_eval(cfg, task, tokenizer, policy), cfg.eval.every,
                             ppo.iterations)
         history, stopped = PPORun(trainer, keeper, monitors, logger, ppo.iterations, f"ppo[{cfg.arm.name}]",
