@@ -15,7 +15,7 @@ from scipy import stats
 
 from conftest import compose_config
 from prmppo.report import (ReportError, difference_ci, difference_rows, find_runs, group_rows, group_runs,
-                           mean_ci, write_report)
+                           mean_ci, measures, write_report)
 from prmppo.report.tables import iterations_to
 
 
@@ -38,8 +38,10 @@ def test_difference_is_paired_by_seed_or_welch():
     assert welch.half_width == pytest.approx((high - low) / 2)
 
 
-def _make_run(root: Path, name: str, overrides: list[str], finals: list[float], status: str = "ok") -> Path:
-    """A run dir as python -m prmppo writes it, with test accuracy `finals[i]` after i iterations."""
+def _make_run(root: Path, name: str, overrides: list[str], finals: list[float], status: str = "ok",
+              extra_rows: list[dict] = ()) -> Path:
+    """A run dir as python -m prmppo writes it, with test accuracy `finals[i]` after i iterations (and
+    `extra_rows` appended to metrics.jsonl)."""
     run_dir = root / name
     (run_dir / ".hydra").mkdir(parents=True)
     cfg = compose_config(overrides)
@@ -55,6 +57,7 @@ def _make_run(root: Path, name: str, overrides: list[str], finals: list[float], 
     rows = [{"stage": "ppo_eval", "step": max(i - 1, 0), "eval/ppo_iterations": i, "eval/test_greedy_accuracy": acc,
              "eval/test_sampled_accuracy": acc / 2} for i, acc in enumerate(finals)]
     rows += [{"stage": "ppo", "step": i, "reward/total_mean": acc} for i, acc in enumerate(finals[1:])]
+    rows += list(extra_rows)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run_dir
 
@@ -139,7 +142,7 @@ def test_report_cli_on_a_tiny_multirun_writes_plots_and_table(tiny_sweep, tmp_pa
     for name in ("accuracy.png", "rewards.png", "hacking.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (out / name).stat().st_size > 10_000
     text = (out / "report.md").read_text()
-    assert "| orm | 0,1 | 2 |" in text and "| prm | 0,1 | 2 |" in text
+    assert "| orm | ORM | 0,1 | 2 |" in text and "| prm | learned PRM | 0,1 | 2 |" in text
     assert "paired (n=2)" in text and "![accuracy.png](accuracy.png)" in text
     # the table's numbers are the runs' own: mean of the last test evaluation in each metrics.jsonl
     grouping = group_runs(find_runs([tiny_sweep]))
@@ -171,3 +174,61 @@ def test_a_reward_choice_belongs_to_the_arm_and_still_pairs_with_orm(tmp_path):
     assert sorted(grouping.groups) == [("orm", "orm"), ("prm", "prm_oracle")]
     (diff,) = difference_rows(grouping)
     assert diff.prm == ("prm", "prm_oracle") and diff.difference.mean == pytest.approx(0.1)
+
+
+def test_pass_at_k_and_the_final_evaluation_are_columns_with_their_sources(tmp_path):
+    # ppo_eval rows carry pass@4; the pipeline's final evaluation (`eval` rows) greedy, sampled, pass@2 and pass@8
+    for seed, final in ((0, 0.5), (1, 0.7)):
+        during = {"stage": "ppo_eval", "step": 1, "eval/ppo_iterations": 2, "eval/test_greedy_accuracy": final,
+                  "eval/test_pass@4": final + 0.2}
+        after = {"stage": "eval", "step": 0, "eval/ppo/greedy_accuracy": final - 0.1,
+                 "eval/ppo/sampled_accuracy": final / 2, "eval/ppo/pass@2": 0.1, "eval/ppo/pass@8": final + 0.1,
+                 "eval/sft/pass@8": 0.01}
+        _make_run(tmp_path, f"r{seed}", [f"seed={seed}"], [0.3, 0.4], extra_rows=[during, after])
+    grouping = group_runs(find_runs([tmp_path]))
+    assert [m.name for m in measures(find_runs([tmp_path]))] == [
+        "greedy", "sampled", "pass@4", "final greedy", "final sampled", "final pass@8"]
+    (row,) = group_rows(grouping, 0.5)
+    # the largest pass@k, each from its own rows: pass@4 = mean(0.7, 0.9), final pass@8 = mean(0.6, 0.8)
+    assert row.values["pass@4"].mean == pytest.approx(0.8) and row.values["final pass@8"].mean == pytest.approx(0.7)
+    assert row.values["final greedy"].mean == pytest.approx(0.5) and row.greedy.mean == pytest.approx(0.6)
+    text = write_report([tmp_path], tmp_path / "out").read_text()
+    assert "| final greedy | final sampled | final pass@8 |" in text
+    assert "`ppo_eval` rows of metrics.jsonl" in text and "as in eval.json" in text
+
+
+def test_learned_and_oracle_prm_are_each_compared_with_orm_within_one_lambda(tmp_path):
+    # three arms x GAE lambda 0.95 / 1.0 x 3 seeds, as two sweeps (arm=orm,prm and arm=prm reward=prm_oracle)
+    base = {"orm": 0.40, "prm": 0.45, "prm_oracle": 0.60}
+    for name, overrides in (("orm", ["arm=orm"]), ("prm", ["arm=prm"]), ("prm_oracle", ["arm=prm", "reward=prm_oracle"])):
+        for lam in ("0.95", "1.0"):
+            for seed in (0, 1, 2):
+                final = base[name] + (0.1 if lam == "1.0" else 0.0) + 0.02 * seed + (0.01 * seed if name == "prm" else 0)
+                _make_run(tmp_path / ("oracle" if "oracle" in name else "main"), f"{name}-{lam}-{seed}",
+                          [*overrides, "ppo.advantage_estimator=gae", f"ppo.lam_actor={lam}", f"seed={seed}"],
+                          [0.3, final])
+    grouping = group_runs(find_runs([tmp_path]))
+    assert grouping.keys == ["ppo.lam_actor", "reward"]
+    diffs = {(d.label, d.prm[1]): d for d in difference_rows(grouping)}
+    assert set(diffs) == {(kind, lam) for kind in ("learned PRM - ORM", "oracle PRM - ORM") for lam in ("0.95", "1.0")}
+    for (label, lam), d in diffs.items():
+        assert d.orm[1] == lam and d.pairing == "paired" and d.difference.n == 3  # never across lambdas
+    # oracle - ORM: 0.20 on every seed -> no spread; learned - ORM: 0.05 + 0.01 * seed -> mean 0.06,
+    # half width t(0.975, 2) * 0.01 / sqrt(3) = 0.024841
+    assert diffs[("oracle PRM - ORM", "0.95")].difference.mean == pytest.approx(0.2)
+    learned = diffs[("learned PRM - ORM", "1.0")]
+    assert learned.difference.mean == pytest.approx(0.06) and learned.difference.half_width == pytest.approx(0.024841, abs=1e-6)
+    assert learned.excludes_zero()
+    text = write_report([tmp_path], tmp_path / "out").read_text()
+    # greedy and sampled, each for both lambdas
+    assert text.count("| learned PRM - ORM |") == 4 and text.count("| oracle PRM - ORM |") == 4
+    assert "| +0.060 | [+0.035, +0.085] | yes | paired (n=3) |" in text
+
+
+def test_a_difference_whose_interval_contains_zero_is_not_claimed(tmp_path):
+    for seed, (prm, orm) in enumerate(((0.5, 0.4), (0.4, 0.5), (0.55, 0.5))):
+        _make_run(tmp_path, f"p{seed}", ["arm=prm", f"seed={seed}"], [0.3, prm])
+        _make_run(tmp_path, f"o{seed}", ["arm=orm", f"seed={seed}"], [0.3, orm])
+    (diff,) = difference_rows(group_runs(find_runs([tmp_path])))
+    assert diff.label == "learned PRM - ORM" and not diff.excludes_zero()
+    assert "| no | paired (n=3) |" in write_report([tmp_path], tmp_path / "out").read_text()

@@ -329,12 +329,12 @@ class EvalConfig:
     # rows per generation batch
     batch_rows: int = 256
     # test evaluation during PPO (rows `stage: ppo_eval` in metrics.jsonl: `eval/test_greedy_accuracy`,
-    # `eval/test_sampled_accuracy` at `eval/ppo_iterations` done): before the first iteration,
+    # `eval/test_sampled_accuracy`, `eval/test_pass@k` at `eval/ppo_iterations` done): before the first iteration,
     # every this many iterations and after the last; 0 = off
     every: int = 10
     # the first this many `test` problems, the same ones each time; > 0
     during_ppo_problems: int = 64
-    # samples per problem at `temperature` for the sampled accuracy; 0 = greedy only
+    # samples per problem at `temperature` for the sampled accuracy and pass@k; 0 = greedy only
     during_ppo_k: int = 4
 
 

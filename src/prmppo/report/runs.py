@@ -21,6 +21,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from prmppo.config.build import build_quietly
 from prmppo.config.validate import inert_keys
 from prmppo.errors import PrmppoError
 
@@ -49,6 +50,7 @@ class Run:
     rows: list[dict] = field(repr=False)
     error: str | None = None
     choices: dict[str, str] = field(default_factory=dict)  # config group -> option (`.hydra/hydra.yaml`)
+    reward_kind: str = "ORM"  # ORM | learned PRM | oracle PRM: asked of the run's reward (`reward_kind`)
 
     def series(self, stage: str, metric: str, x_key: str | None = None) -> dict[int, float]:
         """`{x: value}` of `metric` in rows of `stage`; x is `x_key`'s value or, by default, iterations done
@@ -90,6 +92,15 @@ def _read_json(path: Path) -> dict:
         raise ReportError(f"{path} is not valid JSON ({err.msg} at line {err.lineno})") from None
 
 
+def reward_kind(config: DictConfig) -> str:
+    """`ORM` (no step scores), `learned PRM` (a trained PRM scores steps) or `oracle PRM` (the task's exact
+    step checker does), asked of the reward the run's config builds."""
+    reward = build_quietly(config.reward, seed=config.seed)
+    if not reward.needs_step_scorer:
+        return "ORM"
+    return "learned PRM" if reward.needs_learned_prm else "oracle PRM"
+
+
 def read_run(path: Path) -> Run:
     """One run directory (it must hold `.hydra/config.yaml`)."""
     try:
@@ -109,7 +120,7 @@ def read_run(path: Path) -> Run:
         pairs[key] = value
     return Run(path=path, arm=str(config.arm.name), seed=int(config.seed), status=result.get("status", "incomplete"),
                overrides=pairs, config=config, inert=inert_keys(config), rows=_read_metrics(path / "metrics.jsonl"),
-               error=error, choices={str(k): str(v) for k, v in choices.items()})
+               error=error, choices={str(k): str(v) for k, v in choices.items()}, reward_kind=reward_kind(config))
 
 
 def find_runs(paths: list[str | Path]) -> list[Run]:

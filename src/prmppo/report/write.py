@@ -6,7 +6,8 @@ from pathlib import Path
 
 from prmppo.report.plots import HACK_METRICS, REWARD_METRICS, accuracy_figure, metrics_figure, save
 from prmppo.report.runs import find_runs, group_runs
-from prmppo.report.tables import group_rows, markdown
+from prmppo.report.markdown import markdown
+from prmppo.report.tables import group_rows
 
 
 def write_report(paths: list[str | Path], out_dir: str | Path, threshold: float = 0.5) -> Path:

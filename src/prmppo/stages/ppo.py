@@ -25,9 +25,9 @@ exists is read and checked with the early gates, before any weights; `banner.jso
 file, size and pass-rate range under `band`.
 
 Test accuracy during PPO: before the first iteration, every `eval.every` iterations and after the
-last, greedy and sampled accuracy on the first `eval.during_ppo_problems` test problems, logged as
-rows with `"stage": "ppo_eval"` (x axis `eval/ppo_iterations`, the iterations done); canary checks
-add `canary/` metrics to the iteration's row.
+last, greedy and sampled accuracy and pass@k (k = `eval.during_ppo_k`) on the first
+`eval.during_ppo_problems` test problems, logged as rows with `"stage": "ppo_eval"` (x axis
+`eval/ppo_iterations`, the iterations done); canary checks add `canary/` metrics to the iteration's row.
 
 Stop and resume (`ppo/checkpoint.py`): a resumable checkpoint is saved every
 `checkpoint_every(ppo.iterations, rollout.sync_every_iterations)` iterations (about 4 per run, on
@@ -158,8 +158,8 @@ def _canary(cfg: DictConfig, task, tokenizer, policy, run_dir: Path) -> Canary:
 
 def _test_eval(cfg: DictConfig, task, tokenizer, policy):
     """`evaluate(iterations_done) -> eval/ metrics` of the policy on the first `eval.during_ppo_problems`
-    test problems (the same ones each time): greedy accuracy, and sampled accuracy over
-    `eval.during_ppo_k` samples at `eval.temperature`."""
+    test problems (the same ones each time): greedy accuracy, and sampled accuracy and pass@k over
+    `k = eval.during_ppo_k` samples at `eval.temperature`."""
     problems = task.problems("test")[: cfg.eval.during_ppo_problems]
 
     def evaluate(iterations_done: int) -> dict:
@@ -170,6 +170,8 @@ def _test_eval(cfg: DictConfig, task, tokenizer, policy):
                    "eval/n_problems": len(problems)}
         if cfg.eval.during_ppo_k > 0:
             metrics["eval/test_sampled_accuracy"] = result["sampled_accuracy"]
+            # from the same samples: nothing else changes
+            metrics[f"eval/test_pass@{cfg.eval.during_ppo_k}"] = result[f"pass@{cfg.eval.during_ppo_k}"]
         return metrics
 
     return evaluate
