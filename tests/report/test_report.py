@@ -16,6 +16,9 @@ from scipy import stats
 from conftest import compose_config
 from prmppo.report import (ReportError, difference_ci, difference_rows, find_runs, group_rows, group_runs,
                            mean_ci, measures, write_report)
+from prmppo.report.__main__ import main as report_main
+from prmppo.report.hacking import first_gap, hacking_section, late_means
+from prmppo.report.sweeps import find_sweeps, sweeps_section
 from prmppo.report.tables import iterations_to
 
 
@@ -39,9 +42,10 @@ def test_difference_is_paired_by_seed_or_welch():
 
 
 def _make_run(root: Path, name: str, overrides: list[str], finals: list[float], status: str = "ok",
-              extra_rows: list[dict] = ()) -> Path:
+              extra_rows: list[dict] = (), span: tuple[float, float] | None = None, host: dict | None = None) -> Path:
     """A run dir as python -m prmppo writes it, with test accuracy `finals[i]` after i iterations (and
-    `extra_rows` appended to metrics.jsonl)."""
+    `extra_rows` appended to metrics.jsonl); `span` = (started_at, finished_at) and `host` go to
+    run_info.json and stage_result.json."""
     run_dir = root / name
     (run_dir / ".hydra").mkdir(parents=True)
     cfg = compose_config(overrides)
@@ -51,6 +55,9 @@ def _make_run(root: Path, name: str, overrides: list[str], finals: list[float], 
     OmegaConf.save({"hydra": {"runtime": {"choices": {"arm": cfg.arm.name, "reward": reward}}}},
                    run_dir / ".hydra" / "hydra.yaml")  # the group options Hydra records
     result = {"status": status, "arm": cfg.arm.name, "seed": cfg.seed}
+    if span is not None:
+        result["finished_at"] = span[1]
+        (run_dir / "run_info.json").write_text(json.dumps({"started_at": span[0], **(host or {})}))
     if status == "failed":
         result["error"] = {"message": "invalid config: ppo.lr=0 must be > 0", "type": "ConfigError"}
     (run_dir / "stage_result.json").write_text(json.dumps(result))
@@ -232,3 +239,84 @@ def test_a_difference_whose_interval_contains_zero_is_not_claimed(tmp_path):
     (diff,) = difference_rows(group_runs(find_runs([tmp_path])))
     assert diff.label == "learned PRM - ORM" and not diff.excludes_zero()
     assert "| no | paired (n=3) |" in write_report([tmp_path], tmp_path / "out").read_text()
+
+
+def _multirun_record(sweep_dir: Path, task: list[str], hydra: list[str]) -> None:
+    """Hydra's multirun.yaml as far as the report reads it: the overrides of the command line."""
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save({"hydra": {"overrides": {"task": task, "hydra": hydra}}}, sweep_dir / "multirun.yaml")
+
+
+def test_each_sweep_has_its_command_statuses_wall_time_and_hardware(tmp_path):
+    sweep = tmp_path / "sweep"
+    _multirun_record(sweep, ["arm=orm", "seed=0,1", "task.rl.max_operands=6"],
+                     ["hydra.mode=MULTIRUN", "hydra.sweep.dir=multirun/a b"])
+    host = {"hostname": "gpubox", "device": "NVIDIA H200", "cpu_count": 16}
+    # two jobs at once: 100-160 s and 110-220 s -> wall 120 s, job time 60 + 110 = 170 s
+    _make_run(sweep, "0", ["arm=orm", "seed=0", "task.rl.max_operands=6"], [0.3, 0.5], span=(100.0, 160.0), host=host)
+    _make_run(sweep, "1", ["arm=orm", "seed=1", "task.rl.max_operands=6"], [0.3, 0.5], span=(110.0, 220.0), host=host)
+    (sweep / "sweep_result.json").write_text(json.dumps({"jobs": [{"status": "ok"}, {"status": "ok"},
+                                                                  {"status": "failed"}]}))
+    _make_run(tmp_path, "single", ["arm=orm", "seed=2"], [0.3, 0.4])  # no run_info.json: times not recorded
+    sweeps = find_sweeps(find_runs([tmp_path]))
+    assert [s.path for s in sweeps] == [tmp_path / "single", sweep]
+    single, multi = sweeps
+    assert multi.command == "python -m prmppo -m arm=orm seed=0,1 task.rl.max_operands=6 'hydra.sweep.dir=multirun/a b'"
+    assert single.command == "python -m prmppo arm=orm seed=2"
+    assert multi.wall_seconds() == 120.0 and multi.job_seconds() == 170.0 and single.wall_seconds() is None
+    assert dict(multi.statuses) == {"ok": 2, "failed": 1} and multi.hardware() == ["gpubox: NVIDIA H200, 16 CPUs"]
+    text = "\n".join(sweeps_section(sweeps))
+    assert "- wall time: 2m 00s; job time: 2m 50s" in text and "- jobs: 1 failed, 2 ok (from sweep_result.json)" in text
+    assert "- wall time: not recorded" in text and "- hardware: not recorded" in text
+    (sweep / "multirun.yaml").write_text("hydra: [")
+    with pytest.raises(ReportError, match="multirun.yaml cannot be read"):
+        find_sweeps(find_runs([tmp_path]))
+
+
+def test_a_run_records_its_start_host_and_end(tmp_path):
+    from prmppo.stages.common import record_start, write_stage_result
+
+    record_start(tmp_path, "cpu")
+    info = json.loads((tmp_path / "run_info.json").read_text())
+    assert info["device"] == "cpu" and info["cpu_count"] >= 1 and info["hostname"] and info["started_at"] > 1.7e9
+    record_start(tmp_path, "cpu")  # a relaunch keeps the first start
+    assert json.loads((tmp_path / "run_info.json").read_text()) == info
+    write_stage_result(tmp_path, compose_config(["arm=orm"]), "ppo", {})
+    assert json.loads((tmp_path / "stage_result.json").read_text())["finished_at"] >= info["started_at"]
+
+
+def _hack_rows(gaps: list[float], score: float, repeated: float) -> list[dict]:
+    return [{"stage": "ppo", "step": i, "prm/score_mean": score, "hack/true_step_accuracy": score - gap,
+             "hack/prm_vs_true_step_gap": gap, "hack/steps_per_response": 4.0 + i, "hack/repeated_line_rate": repeated}
+            for i, gap in enumerate(gaps)]
+
+
+def test_hacking_table_reports_late_monitors_and_when_the_gap_opens(tmp_path):
+    # transform plain: the gap opens after 3 iterations on seed 0 and never on seed 1; delta: never
+    _make_run(tmp_path, "p0", ["arm=prm", "seed=0"], [0.3], extra_rows=_hack_rows([0.0, 0.05, 0.3, 0.4], 0.9, 0.2))
+    _make_run(tmp_path, "p1", ["arm=prm", "seed=1"], [0.3], extra_rows=_hack_rows([0.0, 0.0, 0.1, 0.1], 0.7, 0.4))
+    _make_run(tmp_path, "d0", ["arm=prm", "reward.transform=delta", "seed=0"], [0.3],
+              extra_rows=_hack_rows([0.0] * 4, 0.6, 0.0))
+    _make_run(tmp_path, "o0", ["arm=orm", "seed=0"], [0.3])  # no PRM monitors: not in the table
+    grouping = group_runs(find_runs([tmp_path]))
+    plain = grouping.groups[("prm", "plain")]
+    assert first_gap(plain, 0.1) == {0: 3, 1: None}  # iterations done; 0.1 itself is not above 0.1
+    # steps per response 4, 5, 6, 7 by iteration: the last 2 average 6.5
+    assert late_means(plain, "hack/steps_per_response", 2) == {0: 6.5, 1: 6.5}
+    assert late_means(plain, "hack/prm_vs_true_step_gap", 2) == {0: pytest.approx(0.35), 1: pytest.approx(0.1)}
+    lines = hacking_section(grouping, gap_threshold=0.1, window=2)
+    text = "\n".join(lines)
+    assert "first iteration with gap > 0.1" in text and "3 (1/2 seeds); s0: 3, s1: never" in text
+    assert "never (0/1); s0: never" in text and "arm=orm" not in text
+    # gap column: seeds 0.35 and 0.1 -> mean 0.225 +- t(0.975, 1) * 0.125 = 1.588
+    assert "| 0.225 ± 1.588 |" in text
+    assert "## Reward hacking" not in write_report([tmp_path / "o0"], tmp_path / "out").read_text()
+
+
+def test_report_cli_writes_the_named_file_and_refuses_a_bad_name(tmp_path, capsys):
+    _make_run(tmp_path / "runs", "r", ["seed=0"], [0.3, 0.5])
+    assert report_main([str(tmp_path / "runs"), "--out", str(tmp_path / "exp"), "--name", "RESULTS.md",
+                        "--gap-threshold", "0.2"]) == 0
+    assert (tmp_path / "exp" / "RESULTS.md").read_text().startswith("# prmppo report")
+    assert report_main([str(tmp_path / "runs"), "--out", str(tmp_path / "exp"), "--name", "../x.md"]) == 2
+    assert "file name must be a plain *.md name" in capsys.readouterr().err

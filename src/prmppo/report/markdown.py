@@ -7,7 +7,7 @@ from prmppo.report.runs import INERT, Grouping
 from prmppo.report.tables import SOURCES, GroupRow, difference_rows, group_rows, measures
 
 
-def _reached(values: dict[int, int | None]) -> str:
+def reached(values: dict[int, int | None]) -> str:
     hit = sorted(v for v in values.values() if v is not None)
     if not hit:
         return f"never (0/{len(values)})"
@@ -15,7 +15,7 @@ def _reached(values: dict[int, int | None]) -> str:
     return f"{median:g} ({len(hit)}/{len(values)} seeds)"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
     cell = lambda value: str(value).replace("|", "/")  # noqa: E731  a `|` would split the cell
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
         ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
@@ -31,8 +31,8 @@ def accuracy_section(grouping: Grouping, rows: list[GroupRow], threshold: float)
     header = ["arm", "reward kind", *grouping.keys, "seeds", "runs", *columns,
               f"iterations to greedy >= {threshold:g}"]
     body = [[row.group[0], row.kind, *row.group[1:], ",".join(map(str, row.seeds)), row.runs,
-             *(row.values[name] for name in columns), _reached(row.to_threshold)] for row in rows]
-    lines += _table(header, body)
+             *(row.values[name] for name in columns), reached(row.to_threshold)] for row in rows]
+    lines += table(header, body)
     lines += ["", "Mean ± 95% Student-t half-width across seeds. Where the columns come from:"]
     used = {m.stage for m in measures(runs)}
     lines += [f"- {'`' + label.strip() + ' ...`' if label else 'greedy, sampled, pass@k'}: {text}"
@@ -54,7 +54,7 @@ def differences_section(grouping: Grouping) -> list[str]:
             "Each PRM group against the ORM group with the same values of the swept keys (an estimator or "
             "`ppo.lam_actor` is compared only with itself). A difference whose 95% interval contains 0 is not "
             "shown to exist.", "",
-            *_table(["comparison", "PRM group", "ORM group", "measure", "PRM", "ORM", "difference", "95% CI",
+            *table(["comparison", "PRM group", "ORM group", "measure", "PRM", "ORM", "difference", "95% CI",
                      "CI excludes 0", "pairing"], body)]
 
 
@@ -63,7 +63,7 @@ def not_finished_section(grouping: Grouping) -> list[str]:
         return []
     body = [[f"`{run.path}`", run.status, (run.error or "").splitlines()[0] if run.error else ""]
             for run in grouping.not_ok]
-    return ["## Runs that did not finish", "", *_table(["run", "status", "error"], body)]
+    return ["## Runs that did not finish", "", *table(["run", "status", "error"], body)]
 
 
 def markdown(grouping: Grouping, threshold: float, figures: list[str], sources: list[str],
