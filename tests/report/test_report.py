@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 from scipy import stats
 
 from conftest import compose_config
-from prmppo.report import (ReportError, difference_ci, difference_rows, find_runs, group_rows, group_runs,
-                           mean_ci, measures, write_report)
+from prmppo.report import (HACK_METRICS, ReportError, difference_ci, difference_rows, find_runs, group_rows,
+                           group_runs, mean_ci, measures, metrics_figure, write_report)
 from prmppo.report.__main__ import main as report_main
 from prmppo.report.hacking import first_gap, hacking_section, late_means
 from prmppo.report.sweeps import find_sweeps, sweeps_section
@@ -151,6 +151,11 @@ def test_report_cli_on_a_tiny_multirun_writes_plots_and_table(tiny_sweep, tmp_pa
     text = (out / "report.md").read_text()
     assert "| orm | ORM | 0,1 | 2 |" in text and "| prm | learned PRM | 0,1 | 2 |" in text
     assert "paired (n=2)" in text and "![accuracy.png](accuracy.png)" in text
+    assert "| learned PRM - ORM | arm=prm | arm=orm | greedy |" in text and "| pass@" in text
+    # the sweep's own record: Hydra's command line, sweep_result.json, and the runs' start/end times and host
+    assert "python -m prmppo -m stage=ppo debug=smoke" in text and "arm=prm,orm seed=0,1" in text
+    assert "- jobs: 4 ok (from sweep_result.json)" in text and "- hardware: " in text
+    assert "wall time: not recorded" not in text and "hardware: not recorded" not in text
     # the table's numbers are the runs' own: mean of the last test evaluation in each metrics.jsonl
     grouping = group_runs(find_runs([tiny_sweep]))
     for row in group_rows(grouping, 0.5):
@@ -207,10 +212,11 @@ def test_pass_at_k_and_the_final_evaluation_are_columns_with_their_sources(tmp_p
 def test_learned_and_oracle_prm_are_each_compared_with_orm_within_one_lambda(tmp_path):
     # three arms x GAE lambda 0.95 / 1.0 x 3 seeds, as two sweeps (arm=orm,prm and arm=prm reward=prm_oracle)
     base = {"orm": 0.40, "prm": 0.45, "prm_oracle": 0.60}
-    for name, overrides in (("orm", ["arm=orm"]), ("prm", ["arm=prm"]), ("prm_oracle", ["arm=prm", "reward=prm_oracle"])):
+    arms = (("orm", ["arm=orm"]), ("prm", ["arm=prm"]), ("prm_oracle", ["arm=prm", "reward=prm_oracle"]))
+    for name, overrides in arms:
         for lam in ("0.95", "1.0"):
             for seed in (0, 1, 2):
-                final = base[name] + (0.1 if lam == "1.0" else 0.0) + 0.02 * seed + (0.01 * seed if name == "prm" else 0)
+                final = base[name] + 0.1 * (lam == "1.0") + 0.02 * seed + 0.01 * seed * (name == "prm")
                 _make_run(tmp_path / ("oracle" if "oracle" in name else "main"), f"{name}-{lam}-{seed}",
                           [*overrides, "ppo.advantage_estimator=gae", f"ppo.lam_actor={lam}", f"seed={seed}"],
                           [0.3, final])
@@ -224,7 +230,8 @@ def test_learned_and_oracle_prm_are_each_compared_with_orm_within_one_lambda(tmp
     # half width t(0.975, 2) * 0.01 / sqrt(3) = 0.024841
     assert diffs[("oracle PRM - ORM", "0.95")].difference.mean == pytest.approx(0.2)
     learned = diffs[("learned PRM - ORM", "1.0")]
-    assert learned.difference.mean == pytest.approx(0.06) and learned.difference.half_width == pytest.approx(0.024841, abs=1e-6)
+    assert learned.difference.mean == pytest.approx(0.06)
+    assert learned.difference.half_width == pytest.approx(0.024841, abs=1e-6)
     assert learned.excludes_zero()
     text = write_report([tmp_path], tmp_path / "out").read_text()
     # greedy and sampled, each for both lambdas
@@ -250,7 +257,7 @@ def _multirun_record(sweep_dir: Path, task: list[str], hydra: list[str]) -> None
 def test_each_sweep_has_its_command_statuses_wall_time_and_hardware(tmp_path):
     sweep = tmp_path / "sweep"
     _multirun_record(sweep, ["arm=orm", "seed=0,1", "task.rl.max_operands=6"],
-                     ["hydra.mode=MULTIRUN", "hydra.sweep.dir=multirun/a b"])
+                     ["hydra.mode=MULTIRUN", "hydra.sweep.dir=multirun/a b", "hydra.sweep.subdir=${hydra.job.num}"])
     host = {"hostname": "gpubox", "device": "NVIDIA H200", "cpu_count": 16}
     # two jobs at once: 100-160 s and 110-220 s -> wall 120 s, job time 60 + 110 = 170 s
     _make_run(sweep, "0", ["arm=orm", "seed=0", "task.rl.max_operands=6"], [0.3, 0.5], span=(100.0, 160.0), host=host)
@@ -261,7 +268,8 @@ def test_each_sweep_has_its_command_statuses_wall_time_and_hardware(tmp_path):
     sweeps = find_sweeps(find_runs([tmp_path]))
     assert [s.path for s in sweeps] == [tmp_path / "single", sweep]
     single, multi = sweeps
-    assert multi.command == "python -m prmppo -m arm=orm seed=0,1 task.rl.max_operands=6 'hydra.sweep.dir=multirun/a b'"
+    assert multi.command == ("python -m prmppo -m arm=orm seed=0,1 task.rl.max_operands=6 'hydra.sweep.dir=multirun/a b' "
+                             "'hydra.sweep.subdir=${hydra.job.num}'")  # as typed, not resolved
     assert single.command == "python -m prmppo arm=orm seed=2"
     assert multi.wall_seconds() == 120.0 and multi.job_seconds() == 170.0 and single.wall_seconds() is None
     assert dict(multi.statuses) == {"ok": 2, "failed": 1} and multi.hardware() == ["gpubox: NVIDIA H200, 16 CPUs"]
@@ -311,6 +319,9 @@ def test_hacking_table_reports_late_monitors_and_when_the_gap_opens(tmp_path):
     # gap column: seeds 0.35 and 0.1 -> mean 0.225 +- t(0.975, 1) * 0.125 = 1.588
     assert "| 0.225 ± 1.588 |" in text
     assert "## Reward hacking" not in write_report([tmp_path / "o0"], tmp_path / "out").read_text()
+    # the hacking figure draws the PRM's score beside the true step accuracy
+    titles = [ax.get_title() for ax in metrics_figure(grouping, HACK_METRICS, "hacking").axes if ax.get_visible()]
+    assert titles[:3] == ["prm/score_mean", "hack/true_step_accuracy", "hack/prm_vs_true_step_gap"]
 
 
 def test_report_cli_writes_the_named_file_and_refuses_a_bad_name(tmp_path, capsys):
@@ -320,3 +331,12 @@ def test_report_cli_writes_the_named_file_and_refuses_a_bad_name(tmp_path, capsy
     assert (tmp_path / "exp" / "RESULTS.md").read_text().startswith("# prmppo report")
     assert report_main([str(tmp_path / "runs"), "--out", str(tmp_path / "exp"), "--name", "../x.md"]) == 2
     assert "file name must be a plain *.md name" in capsys.readouterr().err
+
+
+def test_a_run_whose_reward_cannot_be_built_is_named(tmp_path):
+    run_dir = _make_run(tmp_path, "r", ["arm=prm", "seed=0"], [0.3, 0.5])
+    config = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    config.reward.transform = "squared"  # e.g. a run made by a version with a transform this one lacks
+    OmegaConf.save(config, run_dir / ".hydra" / "config.yaml")
+    with pytest.raises(ReportError, match=r"r/.hydra/config.yaml: its reward cannot be built .*transform='squared'"):
+        find_runs([tmp_path])

@@ -12,5 +12,6 @@ from prmppo.report.tables import difference_rows, group_rows, measures
 from prmppo.report.write import write_report
 
 __all__ = ["HACK_METRICS", "REWARD_METRICS", "Grouping", "ReportError", "Run", "accuracy_figure", "difference_ci",
-           "difference_rows", "find_runs", "group_rows", "group_runs", "markdown", "mean_ci", "measures", "metrics_figure",
+           "difference_rows", "find_runs", "group_rows", "group_runs", "markdown", "mean_ci", "measures",
+           "metrics_figure",
            "write_report"]

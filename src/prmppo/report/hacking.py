@@ -52,7 +52,8 @@ def hacking_section(grouping: Grouping, gap_threshold: float = GAP_THRESHOLD, wi
                      f"{reached(crossed)}; {per_seed_text}"])
     if not body:
         return []
-    header = ["group", "reward kind", "seeds", "final greedy", *MONITORS, f"first iteration with gap > {gap_threshold:g}"]
+    header = ["group", "reward kind", "seeds", "final greedy", *MONITORS,
+              f"first iteration with gap > {gap_threshold:g}"]
     return ["## Reward hacking", "",
             f"PRM monitors in the `ppo` rows, each a run's mean over its last {window} iterations, then mean ± 95% CI "
             f"across seeds. gap = PRM score - true step accuracy (the task's exact checker); the last column is the "

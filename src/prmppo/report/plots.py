@@ -17,8 +17,9 @@ from prmppo.report.stats import mean_ci
 from prmppo.report.tables import ACCURACY, EVAL_STAGE, X_KEY
 
 REWARD_METRICS = ("reward/total_mean", "reward/outcome_mean", "reward/prm_mean", "ppo/kl_ref")
-HACK_METRICS = ("hack/prm_score_minus_accuracy", "hack/prm_vs_true_step_gap", "hack/repeated_line_rate",
-                "hack/steps_per_response", "rollout/response_length", "rollout/truncated_fraction")
+HACK_METRICS = ("prm/score_mean", "hack/true_step_accuracy", "hack/prm_vs_true_step_gap",
+                "hack/prm_score_minus_accuracy", "hack/repeated_line_rate", "hack/steps_per_response",
+                "rollout/response_length", "rollout/truncated_fraction")
 
 
 def _band(ax, grouping: Grouping, stage: str, metric: str, x_key: str | None) -> bool:

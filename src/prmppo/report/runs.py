@@ -119,13 +119,17 @@ def read_run(path: Path) -> Run:
     result = read_json(path / "stage_result.json") if (path / "stage_result.json").exists() else {}
     error = result.get("error", {}).get("message") if result else None
     info = read_json(path / "run_info.json") if (path / "run_info.json").exists() else {}
+    try:
+        kind = reward_kind(config)
+    except PrmppoError as err:
+        raise ReportError(f"{path / '.hydra' / 'config.yaml'}: its reward cannot be built ({err})") from None
     pairs = {}
     for override in overrides:
         key, _, value = override.lstrip("+~").partition("=")
         pairs[key] = value
     return Run(path=path, arm=str(config.arm.name), seed=int(config.seed), status=result.get("status", "incomplete"),
                overrides=pairs, config=config, inert=inert_keys(config), rows=_read_metrics(path / "metrics.jsonl"),
-               error=error, choices={str(k): str(v) for k, v in choices.items()}, reward_kind=reward_kind(config),
+               error=error, choices={str(k): str(v) for k, v in choices.items()}, reward_kind=kind,
                started_at=info.get("started_at"), finished_at=result.get("finished_at"),
                host={k: info[k] for k in ("hostname", "cpu_count", "device") if k in info})
 

@@ -55,8 +55,9 @@ def _command(overrides: list[str], multirun: bool) -> str:
 def _sweep_command(sweep_dir: Path) -> str:
     path = sweep_dir / "multirun.yaml"
     try:
-        overrides = OmegaConf.load(path).hydra.overrides
-        return _command([str(o) for o in overrides.task] + [str(o) for o in overrides.hydra], multirun=True)
+        # unresolved: an override may hold an interpolation, e.g. hydra.sweep.subdir=${hydra.job.num}
+        overrides = OmegaConf.to_container(OmegaConf.load(path).hydra.overrides, resolve=False)
+        return _command([str(o) for o in overrides["task"] + overrides["hydra"]], multirun=True)
     except Exception as err:  # yaml's own errors, or a file without hydra.overrides
         raise ReportError(f"{path} cannot be read as Hydra's multirun record: {err}") from None
 
