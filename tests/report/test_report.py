@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -340,3 +341,22 @@ def test_a_run_whose_reward_cannot_be_built_is_named(tmp_path):
     OmegaConf.save(config, run_dir / ".hydra" / "config.yaml")
     with pytest.raises(ReportError, match=r"r/.hydra/config.yaml: its reward cannot be built .*transform='squared'"):
         find_runs([tmp_path])
+
+
+def test_a_pipeline_run_is_read_with_the_final_evaluation_eval_json_holds(smoke_cfg):
+    from prmppo.app import run
+
+    cfg = smoke_cfg("arm=orm")
+    run(cfg)
+    run_dir = Path(cfg.run_dir)
+    (run_dir / ".hydra").mkdir()
+    OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")  # what Hydra would have written
+    final = json.loads((run_dir / "eval.json").read_text())["ppo"]
+    (row,) = group_rows(group_runs(find_runs([run_dir])), 0.5)
+    # smoke: eval.k=2 for the final evaluation, eval.during_ppo_k=2 during PPO
+    assert set(row.values) == {"greedy", "sampled", "pass@2", "final greedy", "final sampled", "final pass@2"}
+    assert row.values["final pass@2"].mean == final["pass@2"]
+    assert row.values["final greedy"].mean == final["greedy_accuracy"]
+    assert row.values["final sampled"].mean == final["sampled_accuracy"]
+    (sweep,) = find_sweeps(find_runs([run_dir]))
+    assert sweep.wall_seconds() > 0 and sweep.hardware()[0].endswith(f": cpu, {os.cpu_count()} CPUs")
