@@ -360,3 +360,17 @@ def test_a_pipeline_run_is_read_with_the_final_evaluation_eval_json_holds(smoke_
     assert row.values["final sampled"].mean == final["sampled_accuracy"]
     (sweep,) = find_sweeps(find_runs([run_dir]))
     assert sweep.wall_seconds() > 0 and sweep.hardware()[0].endswith(f": cpu, {os.cpu_count()} CPUs")
+
+
+def test_an_estimator_is_compared_only_with_itself(tmp_path):
+    # rloo (the default, not typed) beside GAE at lambda 0.95: lam_actor is inert for rloo, which must not
+    # let an rloo group match a GAE group
+    for arm in ("orm", "prm"):
+        for seed in (0, 1):
+            _make_run(tmp_path / "rloo", f"{arm}{seed}", [f"arm={arm}", f"seed={seed}"], [0.3, 0.5])
+            _make_run(tmp_path / "gae", f"{arm}{seed}", [f"arm={arm}", "ppo.advantage_estimator=gae",
+                                                         "ppo.lam_actor=0.95", f"seed={seed}"], [0.3, 0.4])
+    grouping = group_runs(find_runs([tmp_path]))
+    assert grouping.keys == ["ppo.advantage_estimator", "ppo.lam_actor"]
+    pairs = sorted((d.prm[1:], d.orm[1:]) for d in difference_rows(grouping))
+    assert pairs == [(("gae", "0.95"), ("gae", "0.95")), (("rloo", "-"), ("rloo", "-"))]
