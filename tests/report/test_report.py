@@ -200,7 +200,7 @@ def test_pass_at_k_and_the_final_evaluation_are_columns_with_their_sources(tmp_p
         _make_run(tmp_path, f"r{seed}", [f"seed={seed}"], [0.3, 0.4], extra_rows=[during, after])
     grouping = group_runs(find_runs([tmp_path]))
     assert [m.name for m in measures(find_runs([tmp_path]))] == [
-        "greedy", "sampled", "pass@4", "final greedy", "final sampled", "final pass@8"]
+        "greedy", "sampled", "pass@4", "final greedy", "final sampled", "final pass@8", "SFT pass@8"]
     (row,) = group_rows(grouping, 0.5)
     # the largest pass@k, each from its own rows: pass@4 = mean(0.7, 0.9), final pass@8 = mean(0.6, 0.8)
     assert row.values["pass@4"].mean == pytest.approx(0.8) and row.values["final pass@8"].mean == pytest.approx(0.7)
@@ -208,6 +208,7 @@ def test_pass_at_k_and_the_final_evaluation_are_columns_with_their_sources(tmp_p
     text = write_report([tmp_path], tmp_path / "out").read_text()
     assert "| final greedy | final sampled | final pass@8 |" in text
     assert "`ppo_eval` rows of metrics.jsonl" in text and "as in eval.json" in text
+    assert "- `SFT ...`: the same final evaluation of the SFT policy" in text
 
 
 def test_learned_and_oracle_prm_are_each_compared_with_orm_within_one_lambda(tmp_path):
@@ -242,11 +243,15 @@ def test_learned_and_oracle_prm_are_each_compared_with_orm_within_one_lambda(tmp
 
 def test_a_difference_whose_interval_contains_zero_is_not_claimed(tmp_path):
     for seed, (prm, orm) in enumerate(((0.5, 0.4), (0.4, 0.5), (0.55, 0.5))):
-        _make_run(tmp_path, f"p{seed}", ["arm=prm", f"seed={seed}"], [0.3, prm])
-        _make_run(tmp_path, f"o{seed}", ["arm=orm", f"seed={seed}"], [0.3, orm])
+        sft = [{"stage": "eval", "step": 0, "eval/sft/greedy_accuracy": 0.3 + seed / 100}]  # the arms' shared start
+        _make_run(tmp_path, f"p{seed}", ["arm=prm", f"seed={seed}"], [0.3, prm], extra_rows=sft)
+        _make_run(tmp_path, f"o{seed}", ["arm=orm", f"seed={seed}"], [0.3, orm], extra_rows=sft)
     (diff,) = difference_rows(group_runs(find_runs([tmp_path])))
     assert diff.label == "learned PRM - ORM" and not diff.excludes_zero()
-    assert "| no | paired (n=3) |" in write_report([tmp_path], tmp_path / "out").read_text()
+    text = write_report([tmp_path], tmp_path / "out").read_text()
+    assert "| no | paired (n=3) |" in text
+    # the SFT baseline is a column (0.31 on average) but never a PRM - ORM row
+    assert "| SFT greedy |" in text and "| 0.310 ± " in text and "| SFT greedy | 0." not in text
 
 
 def _multirun_record(sweep_dir: Path, task: list[str], hydra: list[str]) -> None:
@@ -354,7 +359,10 @@ def test_a_pipeline_run_is_read_with_the_final_evaluation_eval_json_holds(smoke_
     final = json.loads((run_dir / "eval.json").read_text())["ppo"]
     (row,) = group_rows(group_runs(find_runs([run_dir])), 0.5)
     # smoke: eval.k=2 for the final evaluation, eval.during_ppo_k=2 during PPO
-    assert set(row.values) == {"greedy", "sampled", "pass@2", "final greedy", "final sampled", "final pass@2"}
+    assert set(row.values) == {"greedy", "sampled", "pass@2", "final greedy", "final sampled", "final pass@2",
+                               "SFT greedy", "SFT sampled", "SFT pass@2"}
+    sft = json.loads((run_dir / "eval.json").read_text())["sft"]
+    assert row.values["SFT greedy"].mean == sft["greedy_accuracy"] and row.values["SFT pass@2"].mean == sft["pass@2"]
     assert row.values["final pass@2"].mean == final["pass@2"]
     assert row.values["final greedy"].mean == final["greedy_accuracy"]
     assert row.values["final sampled"].mean == final["sampled_accuracy"]

@@ -9,9 +9,9 @@ replicates), and writes into `--out` (default `<first dir>/report`):
   - `accuracy.png`: test accuracy vs PPO iterations per group, 95% confidence band across seeds;
   - `rewards.png`: reward components and KL per iteration; `hacking.png`: hacking monitors;
   - `report.md` (`--name`): final greedy, sampled and pass@k test accuracy mean +- 95% CI per group
-    (during PPO and, for pipeline runs, the final evaluation), learned PRM - ORM and oracle PRM - ORM
-    for each (paired by seed when both arms ran the same seeds), iterations to reach `--threshold`
-    greedy accuracy, the reward-hacking table when PRM monitors were logged (with the first
+    (during PPO and, for pipeline runs, the final evaluation, with the SFT policy's as the baseline),
+    learned PRM - ORM and oracle PRM - ORM for each (paired by seed when both arms ran the same
+    seeds), iterations to reach `--threshold` greedy accuracy, the reward-hacking table when PRM monitors were logged (with the first
     iteration whose PRM-score minus true-step-accuracy gap exceeds `--gap-threshold`), each sweep's
     command, wall time and hardware, and the runs that failed or did not finish.
 Bad inputs (no runs, an unreadable metrics line) exit 2 with one line naming the file.

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from prmppo.report.runs import INERT, Grouping
-from prmppo.report.tables import SOURCES, GroupRow, difference_rows, group_rows, measures
+from prmppo.report.tables import SOURCES, GroupRow, compared, difference_rows, group_rows, measures
 
 
 def reached(values: dict[int, int | None]) -> str:
@@ -34,16 +34,17 @@ def accuracy_section(grouping: Grouping, rows: list[GroupRow], threshold: float)
              *(row.values[name] for name in columns), reached(row.to_threshold)] for row in rows]
     lines += table(header, body)
     lines += ["", "Mean ± 95% Student-t half-width across seeds. Where the columns come from:"]
-    used = {m.stage for m in measures(runs)}
+    shown = measures(runs)
     lines += [f"- {'`' + label.strip() + ' ...`' if label else 'greedy, sampled, pass@k'}: {text}"
-              for stage, _, _, label, text in SOURCES if stage in used]
+              for stage, prefix, _, label, text in SOURCES
+              if any(m.stage == stage and m.metric.startswith(prefix) for m in shown)]
     return lines
 
 
 def differences_section(grouping: Grouping) -> list[str]:
     """PRM - ORM (learned and oracle) for every accuracy measure, paired by seed where the seeds match."""
     runs = [run for group in grouping.groups.values() for run in group]
-    diffs = [d for measure in measures(runs) for d in difference_rows(grouping, measure)]
+    diffs = [d for measure in compared(runs) for d in difference_rows(grouping, measure)]
     if not diffs:
         return []
     diffs.sort(key=lambda d: (d.label, d.prm, d.orm))

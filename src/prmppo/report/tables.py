@@ -7,7 +7,9 @@ Two sources of accuracy, each a column only when some run logged it (`measures`)
     evaluation (after the last iteration);
   - the final evaluation of the PPO policy by the pipeline's `eval` step (`eval` rows:
     `eval/ppo/greedy_accuracy`, `eval/ppo/sampled_accuracy`, `eval/ppo/pass@k`, the numbers of
-    `eval.json` on `eval.n_problems` test problems with `eval.k` samples), columns `final ...`.
+    `eval.json` on `eval.n_problems` test problems with `eval.k` samples), columns `final ...`,
+    and the same of the SFT policy it started from (`eval/sft/...`), columns `SFT ...`: the baseline,
+    never differenced between arms.
 For pass@k the largest k logged is shown (pass@2 is logged beside pass@8).
 
 Differences: every PRM group against each ORM group that matches it on the swept keys (`reward`
@@ -35,7 +37,10 @@ SOURCES = ((EVAL_STAGE, "eval/test_", X_KEY, "",
             "`eval.during_ppo_problems` test problems, `eval.during_ppo_k` samples)"),
            (FINAL_STAGE, "eval/ppo/", None, "final ",
             "the final evaluation of the PPO policy after training (`eval` rows of metrics.jsonl, as in eval.json; "
-            "`eval.n_problems` test problems, `eval.k` samples)"))
+            "`eval.n_problems` test problems, `eval.k` samples)"),
+           (FINAL_STAGE, "eval/sft/", None, "SFT ",
+            "the same final evaluation of the SFT policy PPO started from (the baseline; not compared between arms)"))
+BASELINE = "SFT "  # column prefix of measures that describe the start, not an arm
 
 
 @dataclass(frozen=True)
@@ -128,6 +133,11 @@ class DifferenceRow:
         """Whether the 95% interval lies wholly on one side of 0 (only then is there a difference to claim)."""
         d = self.difference
         return not math.isnan(d.half_width) and abs(d.mean) > d.half_width
+
+
+def compared(runs: list[Run]) -> list[Measure]:
+    """The measures PRM and ORM are compared on: every one but the SFT baseline's."""
+    return [m for m in measures(runs) if not m.name.startswith(BASELINE)]
 
 
 def difference_rows(grouping: Grouping, measure: Measure = GREEDY) -> list[DifferenceRow]:
