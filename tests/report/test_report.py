@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from scipy import stats
 
 from conftest import compose_config
-from prmppo.report import (HACK_METRICS, ReportError, difference_ci, difference_rows, find_runs, group_rows,
+from prmppo.report import (HACK_METRICS, ReportError, accuracy_figure, difference_ci, difference_rows, find_runs, group_rows,
                            group_runs, mean_ci, measures, metrics_figure, write_report)
 from prmppo.report.__main__ import main as report_main
 from prmppo.report.hacking import first_gap, hacking_section, late_means
@@ -207,6 +207,9 @@ def test_pass_at_k_and_the_final_evaluation_are_columns_with_their_sources(tmp_p
     assert row.values["final greedy"].mean == pytest.approx(0.5) and row.greedy.mean == pytest.approx(0.6)
     text = write_report([tmp_path], tmp_path / "out").read_text()
     assert "| final greedy | final sampled | final pass@8 |" in text
+    # the accuracy figure has a panel per accuracy logged during PPO, pass@4 included
+    assert [ax.get_title() for ax in accuracy_figure(grouping).axes] == [
+        "test accuracy (greedy)", "test accuracy (sampled)", "test accuracy (pass@4)"]
     assert "`ppo_eval` rows of metrics.jsonl" in text and "as in eval.json" in text
     assert "- `SFT ...`: the same final evaluation of the SFT policy" in text
 

@@ -2,7 +2,7 @@
 
     python -m prmppo -m experiment=prm_vs_orm_arith arm=prm,orm seed=0,1,2
     python -m prmppo.report multirun/prm_vs_orm_arith/<time>          # -> <time>/report/report.md
-    python -m prmppo.report multirun/prm_vs_orm_arith --out experiments/prm_vs_orm_arith --name RESULTS.md
+    python -m prmppo.report multirun/prm_hacking --out experiments/prm_hacking --name RESULTS.md
 
 Finds every run under the given directories, groups them by arm and swept keys (seeds are the
 replicates), and writes into `--out` (default `<first dir>/report`):
@@ -11,9 +11,10 @@ replicates), and writes into `--out` (default `<first dir>/report`):
   - `report.md` (`--name`): final greedy, sampled and pass@k test accuracy mean +- 95% CI per group
     (during PPO and, for pipeline runs, the final evaluation, with the SFT policy's as the baseline),
     learned PRM - ORM and oracle PRM - ORM for each (paired by seed when both arms ran the same
-    seeds), iterations to reach `--threshold` greedy accuracy, the reward-hacking table when PRM monitors were logged (with the first
-    iteration whose PRM-score minus true-step-accuracy gap exceeds `--gap-threshold`), each sweep's
-    command, wall time and hardware, and the runs that failed or did not finish.
+    seeds), iterations to reach `--threshold` greedy accuracy, the reward-hacking table when PRM
+    monitors were logged (with the first iteration whose PRM-score minus true-step-accuracy gap
+    exceeds `--gap-threshold`), each sweep's command, wall time and hardware, and the runs that
+    failed or did not finish.
 Bad inputs (no runs, an unreadable metrics line) exit 2 with one line naming the file.
 """
 
