@@ -165,16 +165,29 @@ def test_adapter_sync_changes_outputs_and_base_restores_them(base_dir, tmp_path)
         spec = WeightsSpec("adapter", str(directory), version)
         engine.load_weights(spec)
         assert engine.served_weights == spec
-        assert len(engine.model.peft_config) == 1  # the previous adapter was deleted
+        assert not any("lora_" in name for name, _ in engine.model.named_parameters())  # merged
         tokens, logprobs, _ = generate(engine, seed=3)
         assert tokens != base_out[0]
         assert_logprobs_match(peft_model, PROMPTS, 2, tokens, logprobs, temperature=0.7)
 
     engine.load_weights(WeightsSpec("base", None, 3))
+    pristine = AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True).state_dict()
+    for name, value in engine.model.state_dict().items():
+        assert torch.equal(value, pristine[name]), f"{name} is not the base's exactly"
     restored = generate(engine, seed=3)
     assert restored[0] == base_out[0] and restored[2] == base_out[2]
     flat = [torch.tensor(sum(out[1], [])) for out in (restored, base_out)]
     assert torch.allclose(flat[0], flat[1], atol=1e-6)
+
+
+def test_served_adapter_logits_equal_the_merged_checkpoint(base_dir, tmp_path):
+    engine = HFEngine(base_dir)
+    inputs = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    for version, seed in enumerate((1, 2), start=1):  # the second merge starts from the restored base
+        merged = make_adapter(base_dir, tmp_path / f"a{seed}", seed=seed).merge_and_unload()
+        engine.load_weights(WeightsSpec("adapter", str(tmp_path / f"a{seed}"), version))
+        with torch.no_grad():
+            assert torch.allclose(engine.model(inputs).logits, merged(inputs).logits, atol=1e-6)
 
 
 def test_checkpoint_load_equals_loading_that_dir(base_dir, tmp_path):
@@ -205,3 +218,7 @@ def test_refuses_out_of_vocab_prompt_and_bad_dtype(engine, base_dir):
         generate(engine, prompts=[[1], [40]])
     with pytest.raises(ValueError, match="dtype='fp32' is invalid"):
         HFEngine(base_dir, dtype="fp32")
+    with pytest.raises(ValueError, match="decode='fast' is invalid"):
+        HFEngine(base_dir, decode="fast")
+    with pytest.raises(ValueError, match="done_check_every=0 is invalid"):
+        HFEngine(base_dir, done_check_every=0)
