@@ -1,0 +1,224 @@
+"""The built-in rollout engine against plain `transformers` `generate`: tokens/s, side by side in one run.
+
+    # on a GPU machine: the Qwen2-0.5B shape (built into a temp dir unless --model names one)
+    PYTHONPATH=src python benchmarks/gpu_bench.py --data-dir ../shared/data/gsm8k --out benchmarks/out
+    # CPU smoke check of the same code paths (a tiny model, seconds)
+    PYTHONPATH=src python benchmarks/gpu_bench.py --shape tiny-qwen2 --rows 8 --new-tokens 16 --out /tmp/bench
+
+What it measures, for each `--rows` (default 64 and 256 rows = rows/samples GSM8K test prompts x
+`--samples` samples, prompts formatted by the repo's GSM8K task and tokenized by the model's
+tokenizer):
+
+- `generate`: `model.generate` on the left-padded prompt batch, `num_return_sequences=samples`,
+  sampling at `--temperature` with top_k=0 and top_p=1 (the full distribution, as the engine
+  samples), the model's default cache;
+- `engine:<decode>`: `HFEngine.generate` for each `--decode` loop (`static`: static KV cache with
+  CUDA graphs on CUDA; `static_eager`: without graphs; `dynamic`: the previous loop), in process.
+
+Every row is forced to exactly `--new-tokens` tokens, so both sides do the same work: `generate`
+with `min_new_tokens = max_new_tokens` (EOS suppressed), the engine with an EOS id outside the
+vocabulary (never sampled). tokens/s = rows x new tokens / seconds of one call (CUDA synchronised),
+the median over `--repeats` calls after one warm-up call; the warm-up call's time (which for the
+engine includes allocating the static cache and capturing the CUDA graphs) is reported apart.
+Peak memory is the CUDA allocator's peak during the timed calls of that side.
+
+Writes `<out>/gpu_bench.json` with the figures, the device name and the library versions, and
+prints a table. The update and the PPO iteration are measured elsewhere (`gpu_update_bench.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+DECODE_LOOPS = ("static", "static_eager", "dynamic")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="", help="HF-layout model dir; built with scripts/make_shape_model.py "
+                        "(--shape) when absent; default: a temp dir")
+    parser.add_argument("--shape", default="qwen2-0.5b", help="shape to build when --model is absent")
+    parser.add_argument("--vocab", type=int, default=16384, help="BPE vocabulary of a built model")
+    parser.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data" / "gsm8k"),
+                        help="GSM8K dir (train.jsonl for a built tokenizer, test.jsonl for the prompts)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[64, 256], help="rows per call (prompts x samples)")
+    parser.add_argument("--samples", type=int, default=4, help="samples per prompt; must divide every --rows")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per side after the warm-up call")
+    parser.add_argument("--decode", nargs="+", default=list(DECODE_LOOPS), choices=DECODE_LOOPS)
+    parser.add_argument("--device", default="cuda" if cuda else "cpu")
+    parser.add_argument("--dtype", default="bfloat16" if cuda else "float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--out", required=True, help="directory for gpu_bench.json")
+    args = parser.parse_args(argv)
+    bad = [rows for rows in args.rows if rows < 1 or rows % args.samples]
+    if bad or args.samples < 1:
+        parser.error(f"--rows {bad or args.rows} must be positive multiples of --samples {args.samples}")
+    for name in ("new_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not (Path(args.data_dir) / "test.jsonl").is_file():
+        parser.error(f"--data-dir {args.data_dir} has no test.jsonl")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available here")
+    return args
+
+
+def ensure_model(args) -> Path:
+    """The model dir: --model if it exists, else built there (or in a temp dir) by make_shape_model.py."""
+    if args.model and (Path(args.model) / "config.json").is_file():
+        return Path(args.model)
+    out = Path(args.model) if args.model else Path(tempfile.mkdtemp(prefix="gpu_bench_")) / args.shape
+    command = [sys.executable, str(REPO / "scripts" / "make_shape_model.py"), "--out", str(out), "--data-dir",
+               args.data_dir, "--shape", args.shape, "--vocab", str(args.vocab), "--dtype", args.dtype]
+    print("building the model:", " ".join(command), flush=True)
+    subprocess.run(command, check=True)
+    return out
+
+
+def load_prompts(model_dir: Path, data_dir: str, count: int) -> tuple[list[list[int]], object]:
+    """The first `count` GSM8K test prompts as the repo formats them, tokenized; and the tokenizer."""
+    from prmppo.models.loading import load_tokenizer
+    from prmppo.tasks.gsm8k import GSM8KTask
+
+    task = GSM8KTask(data_dir, test_size=None)
+    problems = task.problems("test")
+    if count > len(problems):
+        raise ValueError(f"{count} prompts asked, {data_dir}/test.jsonl holds {len(problems)}")
+    tokenizer = load_tokenizer(str(model_dir))
+    return [tokenizer(task.format_prompt(p))["input_ids"] for p in problems[:count]], tokenizer
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_calls(call, device: str, repeats: int) -> dict:
+    """One warm-up call, then `repeats` timed calls; seconds and peak memory of the timed ones."""
+    synchronize(device)
+    start = time.perf_counter()
+    tokens = call()
+    synchronize(device)
+    warmup_s = time.perf_counter() - start
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tokens = call()
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
+    median = statistics.median(seconds)
+    return {"warmup_s": round(warmup_s, 3), "seconds": round(median, 4), "tokens": tokens,
+            "tokens_per_s": round(tokens / median, 1), "peak_gib": None if peak is None else round(peak, 2)}
+
+
+def bench_generate(model_dir: Path, tokenizer, prompts, args) -> dict:
+    """Plain `generate` on the left-padded batch of `prompts`, `args.samples` sequences each."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype=getattr(
+        torch, args.dtype)).to(args.device).eval()
+    tokenizer.padding_side = "left"
+    batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt").to(args.device)
+    settings = dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
+                    max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                    num_return_sequences=args.samples, pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=tokenizer.eos_token_id)
+
+    @torch.inference_mode()
+    def call() -> int:
+        out = model.generate(**batch, **settings)  # [rows, prompt + new]
+        return int((out.shape[1] - batch["input_ids"].shape[1]) * out.shape[0])
+
+    figures = time_calls(call, args.device, args.repeats)
+    del model
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return figures
+
+
+def bench_engine(model_dir: Path, prompts, decode: str, args) -> dict:
+    """`HFEngine.generate` with `decode`; EOS is an id outside the vocabulary, so rows never stop early."""
+    from prmppo.rollout.hf_engine import HFEngine
+
+    engine = HFEngine(str(model_dir), device=args.device, dtype=args.dtype, decode=decode)
+    vocab = engine.model.get_input_embeddings().num_embeddings
+    seeds = iter(range(10**6))
+
+    def call() -> int:
+        tokens, _, _ = engine.generate(prompts, args.samples, args.new_tokens, args.temperature, 1.0, next(seeds),
+                                       eos_token_id=vocab, pad_token_id=0)
+        return sum(map(len, tokens))
+
+    figures = time_calls(call, args.device, args.repeats)
+    del engine
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return figures
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    import platform
+
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def print_table(results: dict) -> None:
+    print(f"\ndevice: {results['device']}; model: {results['model']} ({results['shape']}, {results['dtype']}); "
+          f"{results['new_tokens']} new tokens per row, every row forced to full length")
+    print(f"{'rows':>5} {'side':<20} {'tokens/s':>10} {'s/call':>8} {'warm-up s':>10} {'peak GiB':>9} {'x generate':>11}")
+    for rows, sides in results["rows"].items():
+        base = sides["generate"]["tokens_per_s"]
+        for side, fig in sides.items():
+            peak = "-" if fig["peak_gib"] is None else f"{fig['peak_gib']:.2f}"
+            print(f"{rows:>5} {side:<20} {fig['tokens_per_s']:>10.0f} {fig['seconds']:>8.3f} {fig['warmup_s']:>10.2f} "
+                  f"{peak:>9} {fig['tokens_per_s'] / base:>10.2f}x")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import transformers
+
+    model_dir = ensure_model(args)
+    config = json.loads((model_dir / "config.json").read_text())
+    prompts, tokenizer = load_prompts(model_dir, args.data_dir, max(args.rows) // args.samples)
+    shape = (f"{config.get('model_type')}: hidden {config.get('hidden_size')}, {config.get('num_hidden_layers')} "
+             f"layers, vocabulary {config.get('vocab_size')}")
+    results = {"device": device_name(args.device), "torch": torch.__version__,
+               "transformers": transformers.__version__, "model": str(model_dir), "shape": shape,
+               "dtype": args.dtype, "new_tokens": args.new_tokens, "samples_per_prompt": args.samples,
+               "temperature": args.temperature,
+               "forced_length": "generate: min_new_tokens=max_new_tokens; engine: EOS id outside the vocabulary",
+               "rows": {}}
+    for rows in args.rows:
+        chosen = prompts[: rows // args.samples]
+        sides = {"generate": bench_generate(model_dir, tokenizer, chosen, args)}
+        for decode in args.decode:
+            sides[f"engine:{decode}"] = bench_engine(model_dir, chosen, decode, args)
+        results["rows"][rows] = sides
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_bench.json").write_text(json.dumps(results, indent=2))
+    print_table(results)
+    print(f"\nwrote {out / 'gpu_bench.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
