@@ -91,3 +91,49 @@ def test_bucket_sizes_and_prefill_chunks():
     # lengths sorted longest first, budget 10 padded tokens: [5, 5] | [4, 3] | [3, 3, 2] | [1]
     assert prefill_chunks([5, 5, 4, 3, 3, 3, 2, 1], 10) == [(0, 2), (2, 4), (4, 7), (7, 8)]
     assert prefill_chunks([20, 1], 10) == [(0, 1), (1, 2)]  # a row longer than the budget still runs
+
+
+def test_unsupported_models_are_named_and_fall_back_to_the_dynamic_loop(tmp_path):
+    engine = HFEngine(save_tiny_model(tmp_path, seed=0), decode="static")
+    engine.model.config.sliding_window = 16  # shorter than the cache: the 4D mask could not apply it
+    assert "sliding window 16 < 128 cache slots" in static_decode.unsupported_reason(engine.model, 128)
+    engine.model.config._attn_implementation = "flash_attention_2"
+    assert "flash_attention_2" in static_decode.unsupported_reason(engine.model, 128)
+    engine.model.config._attn_implementation = "sdpa"
+    tokens, _, _ = engine.generate(PROMPTS, 2, 4, 1.0, 1.0, 0, EOS, PAD)
+    assert engine._decoder is None and len(tokens) == 6
+
+
+class ReplayOnCPU:
+    """Stands in for a captured CUDA graph: replay recomputes the step into one fixed output tensor,
+    as a real replay overwrites its captured output; what the loop reads must survive that."""
+
+    def __init__(self, decoder, bucket):
+        self.decoder, self.bucket = decoder, bucket
+        self.output = decoder._decode_forward(bucket).clone()  # the capture's warm-up runs the step too
+
+    def replay(self):
+        self.output.copy_(self.decoder._decode_forward(self.bucket))
+
+
+def test_graph_replay_bookkeeping_matches_eager_steps(tmp_path, monkeypatch):
+    captured = []
+
+    def fake_capture(decoder, bucket):
+        captured.append(bucket)
+        graph = ReplayOnCPU(decoder, bucket)
+        return graph, graph.output
+
+    monkeypatch.setattr(static_decode.StaticDecoder, "_capture", fake_capture)
+    model = HFEngine(save_tiny_model(tmp_path, seed=0, eos_logit_scale=0.41)).model
+    rows = [prompt for prompt in PROMPTS for _ in range(4)]
+    outputs = []
+    for use_graphs in (False, True):
+        decoder = static_decode.StaticDecoder(model, len(rows), 128, use_graphs=False, prefill_tokens=8)
+        decoder.use_graphs = use_graphs  # the pool handle needs CUDA; ReplayOnCPU needs none
+        generator = torch.Generator().manual_seed(3)
+        with torch.inference_mode():
+            outputs.append(static_decode.sample_static(decoder, rows, 10, 1.0, 1.0, generator, EOS, PAD, 1))
+    assert len(set(captured)) > 1, "graphs of one bucket only: compaction was not exercised"
+    for eager, replayed in zip(*outputs):
+        assert torch.equal(eager, replayed)

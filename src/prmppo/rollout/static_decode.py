@@ -87,12 +87,13 @@ def unsupported_reason(model, slots_total: int) -> str | None:
         return f"attention implementation {attention!r} (the static path needs sdpa or eager)"
     if _cache_kwarg(model) is None:
         return f"{type(model).__name__}.forward takes neither `cache` nor `past_key_values`"
-    window = getattr(config, "sliding_window", None)
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if "sliding_attention" in layer_types and window is not None and window < slots_total:
-        return f"sliding window {window} < {slots_total} cache slots"
     if not layer_types <= {"full_attention", "sliding_attention"}:
         return f"layer types {sorted(layer_types)}"
+    # the 4D mask has no window: refuse a window the cache could outgrow (Qwen2 names it off explicitly)
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) and window is not None and window < slots_total:
+        return f"sliding window {window} < {slots_total} cache slots"
     return None
 
 
@@ -232,12 +233,13 @@ class StaticDecoder:
         return logits
 
     def _capture(self, bucket: int) -> tuple:
-        """Capture bucket's decode step. The warm-up runs the real step (same inputs, same slot
-        written), so running it here changes nothing the replay would not."""
+        """Capture bucket's decode step. The warm-up runs are the real step (same inputs, same slot
+        written), so running them here changes nothing the replay would not."""
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._decode_forward(bucket)
+            for _ in range(2):  # lazy initialisations (cuBLAS workspaces, kernel choices) happen here
+                self._decode_forward(bucket)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
