@@ -62,8 +62,9 @@ def next_tokens(
         tokens = logprobs_all.argmax(dim=-1)  # [b]
         return tokens, logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)
     shape = (batch_rows or logits.shape[0], logits.shape[-1])
-    noise = torch.empty(shape, dtype=torch.float32, device=logits.device).exponential_(generator=generator)
-    noise = noise.clamp_min(torch.finfo(torch.float32).tiny)  # [B, V]; a zero would divide a 0 prob
+    # Exp(1) noise as -log(U), U uniform in [0, 1): never 0 (a 0 would make its entry win whatever its
+    # probability); U = 0 gives +inf, which only removes that entry from the race
+    noise = torch.rand(shape, dtype=torch.float32, device=logits.device, generator=generator).log_().neg_()  # [B, V]
     if row_of_slot is not None:
         noise = noise[row_of_slot]  # [b, V]
     return sample_tokens(logits, temperature, top_p, noise)
