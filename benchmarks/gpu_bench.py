@@ -182,13 +182,14 @@ def device_name(device: str) -> str:
 def print_table(results: dict) -> None:
     print(f"\ndevice: {results['device']}; model: {results['model']} ({results['shape']}, {results['dtype']}); "
           f"{results['new_tokens']} new tokens per row, every row forced to full length")
-    print(f"{'rows':>5} {'side':<20} {'tokens/s':>10} {'s/call':>8} {'warm-up s':>10} {'peak GiB':>9} {'x generate':>11}")
+    print(f"{'rows':>5} {'side':<20} {'tokens/s':>10} {'s/call':>8} {'ms/token step':>14} {'warm-up s':>10} "
+          f"{'peak GiB':>9} {'x generate':>11}")
     for rows, sides in results["rows"].items():
-        base = sides["generate"]["tokens_per_s"]
         for side, fig in sides.items():
             peak = "-" if fig["peak_gib"] is None else f"{fig['peak_gib']:.2f}"
-            print(f"{rows:>5} {side:<20} {fig['tokens_per_s']:>10.0f} {fig['seconds']:>8.3f} {fig['warmup_s']:>10.2f} "
-                  f"{peak:>9} {fig['tokens_per_s'] / base:>10.2f}x")
+            step_ms = 1000 * fig["seconds"] / results["new_tokens"]  # prefill included
+            print(f"{rows:>5} {side:<20} {fig['tokens_per_s']:>10.0f} {fig['seconds']:>8.3f} {step_ms:>14.2f} "
+                  f"{fig['warmup_s']:>10.2f} {peak:>9} {fig['x_generate']:>10.2f}x")
 
 
 def main(argv=None) -> int:
@@ -211,6 +212,8 @@ def main(argv=None) -> int:
         sides = {"generate": bench_generate(model_dir, tokenizer, chosen, args)}
         for decode in args.decode:
             sides[f"engine:{decode}"] = bench_engine(model_dir, chosen, decode, args)
+        for figures in sides.values():
+            figures["x_generate"] = round(figures["tokens_per_s"] / sides["generate"]["tokens_per_s"], 2)
         results["rows"][rows] = sides
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,7 @@ def test_cpu_smoke_run_writes_forced_length_figures(tmp_path):
     sides = results["rows"]["8"]
     assert set(sides) == {"generate", "engine:static", "engine:dynamic"}
     assert all(side["tokens"] == 8 * 16 and side["tokens_per_s"] > 0 for side in sides.values())
+    assert sides["generate"]["x_generate"] == 1.0
     assert results["device"].startswith("CPU") and "engine:static" in done.stdout
 
 
