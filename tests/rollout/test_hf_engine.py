@@ -194,12 +194,26 @@ def test_checkpoint_load_equals_loading_that_dir(base_dir, tmp_path):
     checkpoint_dir = save_tiny_model(tmp_path / "ckpt", seed=1)
     engine = HFEngine(base_dir)
     base_tokens = generate(engine, seed=4)[0]
+    resident, decoder = engine.model, engine._decoder
     engine.load_weights(WeightsSpec("checkpoint", checkpoint_dir, 1))
+    assert engine.model is resident and engine._decoder is decoder  # copied in place: cache and graphs kept
     synced = generate(engine, seed=4)
+    assert engine._decoder is decoder
     assert synced == generate(HFEngine(checkpoint_dir), seed=4)
     assert synced[0] != base_tokens
     engine.load_weights(WeightsSpec("base", None, 2))  # back from a checkpoint: base reloaded
     assert generate(engine, seed=4)[0] == base_tokens
+
+
+def test_checkpoint_of_another_shape_is_loaded_whole(base_dir, tmp_path):
+    torch.manual_seed(2)
+    wider = MistralForCausalLM(MistralConfig(**{**tiny_config().to_dict(), "intermediate_size": 48}))
+    wider.save_pretrained(tmp_path / "wider")
+    engine = HFEngine(base_dir)
+    resident = engine.model
+    engine.load_weights(WeightsSpec("checkpoint", str(tmp_path / "wider"), 1))
+    assert engine.model is not resident and engine.model.config.intermediate_size == 48
+    assert generate(engine, seed=4) == generate(HFEngine(str(tmp_path / "wider")), seed=4)
 
 
 def test_failed_load_serves_nothing_until_a_good_load(base_dir, tmp_path):

@@ -4,7 +4,8 @@
 three kinds of weights (`WeightsSpec.kind`):
 
 - "base": the directory the engine was built from;
-- "checkpoint": full merged HF-layout weights from another directory (reloaded);
+- "checkpoint": full merged HF-layout weights from another directory, copied into the resident
+  tensors in place when names and shapes match (else the module is reloaded);
 - "adapter": a peft LoRA adapter merged into the resident base in place, so sampling runs at the
   base model's speed with no LoRA layers in the loop. The exact base values of every parameter
   an adapter changes are kept (copied before the first merge touches them) and copied back
@@ -167,8 +168,9 @@ class HFEngine:
             raise FileNotFoundError(
                 f"checkpoint weights.path={spec.path!r} has no config.json (need an HF-layout dir)"
             )
-        self._model = None  # free the old weights before loading the new ones
-        self._model = self._load_hf_dir(spec.path)
+        if self._resident == "unknown" or not copy_checkpoint_in_place(self._model, spec.path):
+            self._model = None  # free the old weights before loading the new ones
+            self._model = self._load_hf_dir(spec.path)
         self._resident, self._merged = "checkpoint", False
 
     def _load_adapter(self, spec: WeightsSpec) -> None:
@@ -241,6 +243,32 @@ class HFEngine:
         use_graphs = self.decode == "static" and torch.device(self.device).type == "cuda"
         self._decoder = StaticDecoder(self._model, rows, slots, use_graphs, self.prefill_tokens)
         return self._decoder
+
+
+def copy_checkpoint_in_place(model: torch.nn.Module, checkpoint_dir: str) -> bool:
+    """Copy the safetensors weights of `checkpoint_dir` into `model`'s tensors; False (nothing
+    copied) unless every file tensor names a tensor of the model with the same shape and every
+    parameter gets a value. Keeping the tensors keeps the static decoder's buffers and CUDA graphs."""
+    from safetensors import safe_open
+
+    targets = model.state_dict(keep_vars=True)  # tied weights appear under each of their names
+    files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
+    covered = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                if name not in targets or tuple(handle.get_slice(name).get_shape()) != tuple(targets[name].shape):
+                    return False
+                covered.add(id(targets[name]))
+    if not files or any(id(parameter) not in covered for parameter in model.parameters()):
+        return False
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                for name in handle.keys():
+                    targets[name].copy_(handle.get_tensor(name))
+    LOG.info("copied %s into the resident weights in place", checkpoint_dir)
+    return True
 
 
 def adapter_base_parameters(peft_model) -> list[torch.nn.Parameter]:
