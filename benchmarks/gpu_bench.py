@@ -20,7 +20,11 @@ with `min_new_tokens = max_new_tokens` (EOS suppressed), the engine with an EOS 
 vocabulary (never sampled). tokens/s = rows x new tokens / seconds of one call (CUDA synchronised),
 the median over `--repeats` calls after one warm-up call; the warm-up call's time (which for the
 engine includes allocating the static cache and capturing the CUDA graphs) is reported apart.
-Peak memory is the CUDA allocator's peak during the timed calls of that side.
+All sides stay loaded for the whole run and their timed calls are interleaved (one call of each
+side per round), so a machine busy with other work slows every side alike. Memory (CUDA): `call
+GiB` is what a call allocates above what was resident before it (the static loop's KV cache and
+graph pool stay allocated between calls, so they count in `resident_gib`, the allocator's total
+after the last round, all sides together).
 
 Writes `<out>/gpu_bench.json` with the figures, the device name and the library versions, and
 prints a table. The update and the PPO iteration are measured elsewhere (`gpu_update_bench.py`).
@@ -105,33 +109,42 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_calls(call, device: str, repeats: int) -> dict:
-    """One warm-up call, then `repeats` timed calls; seconds and peak memory of the timed ones."""
-    synchronize(device)
+def timed(call, device: str) -> tuple[float, int, float | None]:
+    """Seconds, tokens and the GiB the call allocated above what was resident before it (CUDA only)."""
+    cuda = device.startswith("cuda")
+    if cuda:
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
     start = time.perf_counter()
     tokens = call()
     synchronize(device)
-    warmup_s = time.perf_counter() - start
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
-    seconds = []
+    seconds = time.perf_counter() - start
+    working = (torch.cuda.max_memory_allocated() - before) / 2**30 if cuda else None
+    return seconds, tokens, working
+
+
+def measure(calls: dict, device: str, repeats: int) -> dict:
+    """One warm-up call per side, then `repeats` rounds of one timed call per side, interleaved so that
+    a machine busy with other work slows every side alike; medians per side."""
+    warmup = {name: timed(call, device)[0] for name, call in calls.items()}
+    runs = {name: [] for name in calls}
     for _ in range(repeats):
-        start = time.perf_counter()
-        tokens = call()
-        synchronize(device)
-        seconds.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
-    median = statistics.median(seconds)
-    return {"warmup_s": round(warmup_s, 3), "seconds": round(median, 4), "tokens": tokens,
-            "tokens_per_s": round(tokens / median, 1), "peak_gib": None if peak is None else round(peak, 2)}
+        for name, call in calls.items():
+            runs[name].append(timed(call, device))
+    figures = {}
+    for name, results in runs.items():
+        median = statistics.median(seconds for seconds, _, _ in results)
+        tokens = results[-1][1]
+        working = [gib for _, _, gib in results if gib is not None]
+        figures[name] = {"warmup_s": round(warmup[name], 3), "seconds": round(median, 4), "tokens": tokens,
+                         "tokens_per_s": round(tokens / median, 1),
+                         "call_gib": round(max(working), 2) if working else None}
+    return figures
 
 
-def bench_generate(model_dir: Path, tokenizer, prompts, args) -> dict:
+def generate_call(model, tokenizer, prompts, args):
     """Plain `generate` on the left-padded batch of `prompts`, `args.samples` sequences each."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype=getattr(
-        torch, args.dtype)).to(args.device).eval()
     tokenizer.padding_side = "left"
     batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt").to(args.device)
     settings = dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
@@ -144,18 +157,11 @@ def bench_generate(model_dir: Path, tokenizer, prompts, args) -> dict:
         out = model.generate(**batch, **settings)  # [rows, prompt + new]
         return int((out.shape[1] - batch["input_ids"].shape[1]) * out.shape[0])
 
-    figures = time_calls(call, args.device, args.repeats)
-    del model
-    if args.device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    return figures
+    return call
 
 
-def bench_engine(model_dir: Path, prompts, decode: str, args) -> dict:
-    """`HFEngine.generate` with `decode`; EOS is an id outside the vocabulary, so rows never stop early."""
-    from prmppo.rollout.hf_engine import HFEngine
-
-    engine = HFEngine(str(model_dir), device=args.device, dtype=args.dtype, decode=decode)
+def engine_call(engine, prompts, args):
+    """`HFEngine.generate`; EOS is an id outside the vocabulary, so rows never stop early."""
     vocab = engine.model.get_input_embeddings().num_embeddings
     seeds = iter(range(10**6))
 
@@ -164,11 +170,20 @@ def bench_engine(model_dir: Path, prompts, decode: str, args) -> dict:
                                        eos_token_id=vocab, pad_token_id=0)
         return sum(map(len, tokens))
 
-    figures = time_calls(call, args.device, args.repeats)
-    del engine
-    if args.device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    return figures
+    return call
+
+
+def load_sides(model_dir: Path, args) -> tuple:
+    """The model `generate` runs and one engine per decode loop, all resident for the whole run."""
+    from transformers import AutoModelForCausalLM
+
+    from prmppo.rollout.hf_engine import HFEngine
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True,
+                                                 dtype=getattr(torch, args.dtype)).to(args.device).eval()
+    engines = {decode: HFEngine(str(model_dir), device=args.device, dtype=args.dtype, decode=decode)
+               for decode in args.decode}
+    return model, engines
 
 
 def device_name(device: str) -> str:
@@ -183,10 +198,10 @@ def print_table(results: dict) -> None:
     print(f"\ndevice: {results['device']}; model: {results['model']} ({results['shape']}, {results['dtype']}); "
           f"{results['new_tokens']} new tokens per row, every row forced to full length")
     print(f"{'rows':>5} {'side':<20} {'tokens/s':>10} {'s/call':>8} {'ms/token step':>14} {'warm-up s':>10} "
-          f"{'peak GiB':>9} {'x generate':>11}")
+          f"{'call GiB':>9} {'x generate':>11}")
     for rows, sides in results["rows"].items():
         for side, fig in sides.items():
-            peak = "-" if fig["peak_gib"] is None else f"{fig['peak_gib']:.2f}"
+            peak = "-" if fig["call_gib"] is None else f"{fig['call_gib']:.2f}"
             step_ms = 1000 * fig["seconds"] / results["new_tokens"]  # prefill included
             print(f"{rows:>5} {side:<20} {fig['tokens_per_s']:>10.0f} {fig['seconds']:>8.3f} {step_ms:>14.2f} "
                   f"{fig['warmup_s']:>10.2f} {peak:>9} {fig['x_generate']:>10.2f}x")
@@ -207,14 +222,17 @@ def main(argv=None) -> int:
                "temperature": args.temperature,
                "forced_length": "generate: min_new_tokens=max_new_tokens; engine: EOS id outside the vocabulary",
                "rows": {}}
+    model, engines = load_sides(model_dir, args)
     for rows in args.rows:
         chosen = prompts[: rows // args.samples]
-        sides = {"generate": bench_generate(model_dir, tokenizer, chosen, args)}
-        for decode in args.decode:
-            sides[f"engine:{decode}"] = bench_engine(model_dir, chosen, decode, args)
+        calls = {"generate": generate_call(model, tokenizer, chosen, args)}
+        calls.update({f"engine:{decode}": engine_call(engine, chosen, args) for decode, engine in engines.items()})
+        sides = measure(calls, args.device, args.repeats)
         for figures in sides.values():
             figures["x_generate"] = round(figures["tokens_per_s"] / sides["generate"]["tokens_per_s"], 2)
         results["rows"][rows] = sides
+        if args.device.startswith("cuda"):
+            results["resident_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_bench.json").write_text(json.dumps(results, indent=2))
