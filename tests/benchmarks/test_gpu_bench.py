@@ -35,6 +35,7 @@ def test_cpu_smoke_run_writes_forced_length_figures(tmp_path):
     assert set(sides) == {"generate", "engine:static", "engine:dynamic"}
     assert all(side["tokens"] == 8 * 16 and side["tokens_per_s"] > 0 for side in sides.values())
     assert sides["generate"]["x_generate"] == 1.0
+    assert sides["engine:static"]["loop"] == "static" and sides["engine:dynamic"]["loop"] == "dynamic"
     assert results["device"].startswith("CPU") and "engine:static" in done.stdout
 
 

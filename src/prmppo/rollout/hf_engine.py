@@ -105,6 +105,7 @@ class HFEngine:
         self.dtype = DTYPES[dtype]
         self.decode, self.done_check_every, self.prefill_tokens = decode, done_check_every, prefill_tokens
         self._decoder: StaticDecoder | None = None
+        self._last_loop: str | None = None  # the loop the last generate ran
         self._model = self._load_hf_dir(self.base_model_dir)
         self._resident = "base"  # resident backbone: "base" | "checkpoint" | "unknown"
         self._base_copy: dict[str, torch.Tensor] = {}  # exact base values of what adapters change
@@ -115,6 +116,13 @@ class HFEngine:
     def served_weights(self) -> WeightsSpec | None:
         """The weights `generate` samples with; None after a failed `load_weights`."""
         return self._served
+
+    @property
+    def decode_info(self) -> dict:
+        """What the last `generate` ran: its loop ("static" or "dynamic", which a model the static
+        loop cannot run falls back to) and the bucket sizes that have a captured CUDA graph."""
+        graphs = sorted(self._decoder.graphs) if self._decoder is not None and self._decoder.use_graphs else []
+        return {"loop": self._last_loop, "cuda_graph_buckets": graphs}
 
     @property
     def model(self) -> torch.nn.Module:
@@ -220,6 +228,7 @@ class HFEngine:
         generator = torch.Generator(device=self.device).manual_seed(seed)
         rows = [prompt for prompt in prompt_token_ids for _ in range(n_samples_per_prompt)]
         decoder = self._static_decoder(len(rows), max(map(len, rows)) + max_new_tokens)
+        self._last_loop = "dynamic" if decoder is None else "static"
         if decoder is None:
             tokens, logprobs, done = _sample_loop(self._model, rows, max_new_tokens, temperature, top_p, generator,
                                                   eos_token_id, pad_token_id, self.device)
