@@ -143,12 +143,17 @@ def test_tiny_top_p_samples_the_argmax(engine, base_dir):
             assert torch.allclose(chosen, logits.max(dim=-1).values, atol=1e-5)
 
 
-def make_adapter(base_dir, directory, seed: int, adapter_name: str = "default"):
+def make_adapter(base_dir, directory, seed: int, adapter_name: str = "default", modules_to_save=None):
     """Save a random (non-identity) LoRA adapter; returns the peft model that made it."""
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                             modules_to_save=modules_to_save)
     model = peft.get_peft_model(base, config, adapter_name=adapter_name)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "modules_to_save" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.1)  # a trained copy differs from the base
     model.save_pretrained(directory)
     return model.eval()
 
@@ -182,12 +187,19 @@ def test_adapter_sync_changes_outputs_and_base_restores_them(base_dir, tmp_path)
 
 def test_served_adapter_logits_equal_the_merged_checkpoint(base_dir, tmp_path):
     engine = HFEngine(base_dir)
+    storage = [parameter.data_ptr() for parameter in engine.model.parameters()]
     inputs = torch.tensor([[5, 6, 7, 8, 9, 10]])
     for version, seed in enumerate((1, 2), start=1):  # the second merge starts from the restored base
-        merged = make_adapter(base_dir, tmp_path / f"a{seed}", seed=seed).merge_and_unload()
+        adapter = make_adapter(base_dir, tmp_path / f"a{seed}", seed=seed, modules_to_save=["model.norm"])
+        merged = adapter.merge_and_unload()
         engine.load_weights(WeightsSpec("adapter", str(tmp_path / f"a{seed}"), version))
         with torch.no_grad():
             assert torch.allclose(engine.model(inputs).logits, merged(inputs).logits, atol=1e-6)
+        # merged in place, the saved norm included: the static decoder's buffers and graphs stay valid
+        assert [parameter.data_ptr() for parameter in engine.model.parameters()] == storage
+    engine.load_weights(WeightsSpec("base", None, 3))
+    pristine = AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True).state_dict()
+    assert all(torch.equal(value, pristine[name]) for name, value in engine.model.state_dict().items())
 
 
 def test_checkpoint_load_equals_loading_that_dir(base_dir, tmp_path):

@@ -187,7 +187,8 @@ class HFEngine:
 
         adapter_dir = find_adapter_dir(spec.path)
         self._use_base()  # an adapter is trained against the base, not a checkpoint or another adapter
-        names = {id(parameter): name for name, parameter in self._model.named_parameters()}
+        originals = dict(self._model.named_parameters())
+        names = {id(parameter): name for name, parameter in originals.items()}
         self._merged = True  # from here on the base may change; _use_base restores it
         peft_model = PeftModel.from_pretrained(self._model, str(adapter_dir), adapter_name="sync",
                                                is_trainable=False)
@@ -197,6 +198,7 @@ class HFEngine:
                 if name not in self._base_copy:  # still pristine: every earlier change was restored
                     self._base_copy[name] = parameter.detach().clone()
         self._model = peft_model.merge_and_unload().to(self.device).eval()
+        keep_original_tensors(self._model, originals)
 
     @torch.inference_mode()
     def generate(
@@ -278,6 +280,19 @@ def copy_checkpoint_in_place(model: torch.nn.Module, checkpoint_dir: str) -> boo
                     targets[name].copy_(handle.get_tensor(name))
     LOG.info("copied %s into the resident weights in place", checkpoint_dir)
     return True
+
+
+def keep_original_tensors(model: torch.nn.Module, originals: dict[str, torch.nn.Parameter]) -> None:
+    """Where merging replaced a parameter (a module the adapter saves whole), copy the new values into
+    the tensor it replaced and put that tensor back: every parameter keeps its storage, which the
+    static decoder's CUDA graphs read."""
+    with torch.no_grad():
+        for name, parameter in list(model.named_parameters()):
+            original = originals.get(name)
+            if original is not None and parameter is not original:
+                original.copy_(parameter)
+                owner, _, attribute = name.rpartition(".")
+                model.get_submodule(owner)._parameters[attribute] = original
 
 
 def adapter_base_parameters(peft_model) -> list[torch.nn.Parameter]:
