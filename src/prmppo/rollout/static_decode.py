@@ -20,6 +20,10 @@ same tokens up to float rounding of the logits. What it does differently:
 - Finished rows: every `done_check_every` steps the number of unfinished rows is read (the only
   host sync of the loop); when it fits a smaller bucket, the unfinished rows are moved to the
   front of the buffers and decoding continues at that bucket size.
+- Attention: decode forwards run `grouped_attention.py` (registered with transformers and set
+  only around those forwards), which never expands K/V from the KV heads to the query heads
+  as transformers' sdpa/eager do under a 4D mask; prefill keeps the model's own attention.
+  Models with softcapping or sinks keep their own attention for decode too (with a warning).
 - Sampling happens outside the graph, on the device: the exponential noise for the whole batch
   is drawn every step and indexed by each slot's row, so which rows share a bucket never
   changes what a row samples.
@@ -35,6 +39,8 @@ import inspect
 import logging
 
 import torch
+
+from prmppo.rollout import grouped_attention
 
 LOG = logging.getLogger(__name__)
 
@@ -118,6 +124,16 @@ def prefill_chunks(lengths: list[int], prefill_tokens: int) -> list[tuple[int, i
     return chunks
 
 
+def _decode_attention(model) -> str | None:
+    """The attention implementation for decode forwards: grouped attention, or None (the model's own)."""
+    reason = grouped_attention.refusal(model) or grouped_attention.register()
+    if reason is None:
+        return grouped_attention.NAME
+    LOG.warning("decode keeps %s attention, which expands K/V to every query head: grouped attention "
+                "cannot run this model (%s)", _text_config(model)._attn_implementation, reason)
+    return None
+
+
 def weights_key(model) -> tuple[int, ...]:
     """The storage of every parameter: captured graphs read these addresses, so a change voids them."""
     return tuple(parameter.data_ptr() for parameter in model.parameters())
@@ -154,6 +170,7 @@ class StaticDecoder:
         self.graphs: dict[int, tuple] = {}  # bucket -> (CUDAGraph, its logits output [bucket, V])
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.weights_key = weights_key(model)
+        self.decode_attention = _decode_attention(model)  # an AttentionInterface name, or None
 
     def fits(self, model, rows: int, slots_total: int) -> bool:
         """Whether this decoder can serve `rows` x `slots_total` for `model` as it is now."""
@@ -216,8 +233,9 @@ class StaticDecoder:
 
     def _decode_forward(self, bucket: int) -> torch.Tensor:
         keep = self.valid[:bucket, None, :]  # [b, 1, S]
-        return self._forward(self.input_ids[:bucket], self.positions[:bucket], keep, slice(0, bucket),
-                             self.write_slot)
+        with grouped_attention.attention_implementation(self.model, self.decode_attention):
+            return self._forward(self.input_ids[:bucket], self.positions[:bucket], keep, slice(0, bucket),
+                                 self.write_slot)
 
     def _replay(self, bucket: int) -> torch.Tensor:
         if bucket not in self.graphs:
