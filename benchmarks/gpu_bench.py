@@ -27,7 +27,11 @@ graph pool stay allocated between calls, so they count in `resident_gib`, the al
 after the last round, all sides together).
 
 Writes `<out>/gpu_bench.json` with the figures, the device name and the library versions, and
-prints a table. The update and the PPO iteration are measured elsewhere (`gpu_update_bench.py`).
+prints a table. With `--profile`, one more call of each static engine side (`static`,
+`static_eager`) at the largest `--rows` runs under torch.profiler, and its top 20 ops by self
+device time (CPU time on a CPU) are printed and written to `<out>/gpu_bench_profile.txt`; under
+CUDA graphs the profiler sees the replayed kernels, not the ops that launched them, so
+`static_eager` is the side that names the ops. The update and the PPO iteration are measured elsewhere (`gpu_update_bench.py`).
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--decode", nargs="+", default=list(DECODE_LOOPS), choices=DECODE_LOOPS)
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
     parser.add_argument("--dtype", default="bfloat16" if cuda else "float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one call of each static engine side at the largest --rows")
     parser.add_argument("--out", required=True, help="directory for gpu_bench.json")
     args = parser.parse_args(argv)
     bad = [rows for rows in args.rows if rows < 1 or rows % args.samples]
@@ -141,6 +147,29 @@ def measure(calls: dict, device: str, repeats: int) -> dict:
                          "tokens_per_s": round(tokens / median, 1),
                          "call_gib": round(max(working), 2) if working else None}
     return figures
+
+
+def profile_table(call, device: str, row_limit: int = 20) -> str:
+    """torch.profiler's top `row_limit` ops of one call, by self device time (self CPU time on a CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as profiler:
+        call()
+        synchronize(device)
+    sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    return profiler.key_averages().table(sort_by=sort_by, row_limit=row_limit)
+
+
+def profile_static_sides(calls: dict, rows: int, args) -> str:
+    """The profile tables of the static engine sides of `calls`, one after the other."""
+    tables = []
+    for side, call in calls.items():
+        if side.startswith("engine:static"):
+            tables.append(f"{side}, {rows} rows x {args.new_tokens} new tokens, one call:\n"
+                          f"{profile_table(call, args.device)}")
+    return "\n".join(tables)
 
 
 def generate_call(model, tokenizer, prompts, args):
@@ -224,6 +253,7 @@ def main(argv=None) -> int:
                "forced_length": "generate: min_new_tokens=max_new_tokens; engine: EOS id outside the vocabulary",
                "rows": {}}
     model, engines = load_sides(model_dir, args)
+    profiles = ""
     for rows in args.rows:
         chosen = prompts[: rows // args.samples]
         calls = {"generate": generate_call(model, tokenizer, chosen, args)}
@@ -234,11 +264,16 @@ def main(argv=None) -> int:
         for decode, engine in engines.items():
             sides[f"engine:{decode}"].update(engine.decode_info)  # the loop that ran, the graphs captured
         results["rows"][rows] = sides
+        if args.profile and rows == max(args.rows):
+            profiles = profile_static_sides(calls, rows, args)
         if args.device.startswith("cuda"):
             results["resident_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_bench.json").write_text(json.dumps(results, indent=2))
+    if profiles:
+        (out / "gpu_bench_profile.txt").write_text(profiles)
+        print(f"\n{profiles}")
     print_table(results)
     print(f"\nwrote {out / 'gpu_bench.json'}")
     return 0

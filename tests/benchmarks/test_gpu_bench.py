@@ -1,5 +1,5 @@
 """The GPU rollout benchmark's CPU smoke run: a tiny Qwen2 built by make_shape_model.py, a few GSM8K-format
-rows, every side forced to the full number of new tokens, the figures written as JSON."""
+rows, every side forced to the full number of new tokens, the figures written as JSON, the static side profiled."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def test_cpu_smoke_run_writes_forced_length_figures(tmp_path):
     command = [sys.executable, str(REPO / "benchmarks" / "gpu_bench.py"), "--shape", "tiny-qwen2", "--vocab", "400",
                "--model", str(tmp_path / "model"), "--data-dir", str(tmp_path / "gsm8k"), "--rows", "8",
                "--new-tokens", "16", "--repeats", "1", "--decode", "static", "dynamic", "--device", "cpu",
-               "--out", str(tmp_path / "out")]
+               "--profile", "--out", str(tmp_path / "out")]
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -37,6 +37,10 @@ def test_cpu_smoke_run_writes_forced_length_figures(tmp_path):
     assert sides["generate"]["x_generate"] == 1.0
     assert sides["engine:static"]["loop"] == "static" and sides["engine:dynamic"]["loop"] == "dynamic"
     assert results["device"].startswith("CPU") and "engine:static" in done.stdout
+    # --profile: the static side only, its ops by self time, printed and written
+    profile = (tmp_path / "out" / "gpu_bench_profile.txt").read_text()
+    assert profile.startswith("engine:static, 8 rows x 16 new tokens") and "engine:dynamic" not in profile
+    assert "aten::" in profile and "Self CPU" in profile and profile.splitlines()[1] in done.stdout
 
 
 def test_refuses_rows_that_samples_do_not_divide(tmp_path):
