@@ -139,3 +139,25 @@ def test_graph_replay_bookkeeping_matches_eager_steps(tmp_path, monkeypatch):
     assert len(set(captured)) > 1, "graphs of one bucket only: compaction was not exercised"
     for eager, replayed in zip(*outputs):
         assert torch.equal(eager, replayed)
+
+
+def test_prefill_runs_each_prompt_once_and_copies_it_to_its_samples(tmp_path, monkeypatch):
+    model = HFEngine(save_tiny_qwen2(tmp_path / "m")).model
+    fed_rows = []
+    original = static_decode.StaticDecoder._forward
+    monkeypatch.setattr(static_decode.StaticDecoder, "_forward",
+                        lambda self, input_ids, *args: fed_rows.append(len(input_ids)) or original(self, input_ids, *args))
+    distinct = sorted(PROMPTS, key=len, reverse=True)  # [7, 3, 1 tokens]
+    rows = [prompt for prompt in distinct for _ in range(3)]  # 3 samples each, neighbours
+    once, each = (static_decode.StaticDecoder(model, len(rows), 128, use_graphs=False, prefill_tokens=8)
+                  for _ in range(2))
+    with torch.inference_mode():
+        logits = once.prefill(rows, PAD)  # [9, V]
+        assert sum(fed_rows) == 3  # the 3 prompts, not the 9 rows
+        want = each.prefill(distinct, PAD)  # [3, V]: rows 0..2 of `each` hold the 3 prompts
+    source = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2])
+    torch.testing.assert_close(logits, want[source])
+    for got_keys, want_keys in zip(once.keys + once.values, each.keys + each.values):
+        torch.testing.assert_close(got_keys[:9, :, :7], want_keys[source, :, :7])
+    assert torch.equal(once.valid[:9], each.valid[source])
+    assert once.positions[:9, 0].tolist() == [7, 7, 7, 3, 3, 3, 1, 1, 1]

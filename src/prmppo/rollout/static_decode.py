@@ -10,9 +10,11 @@ same tokens up to float rounding of the logits. What it does differently:
   every row at once. A bool map `valid` [rows, slots] says which slots a row may attend to; the
   model gets it as a ready 4D additive mask [b, 1, q, slots], which transformers' mask
   builders pass through unchanged.
-- Prefill: rows sorted by prompt length, longest first, run in chunks of at most
-  `prefill_tokens` padded tokens, each padded only to its own longest prompt, each writing its
-  keys and values into its rows of the shared buffers; only the last position's logits are kept.
+- Prefill: rows sorted by prompt length, longest first, so the n samples of a prompt are
+  neighbours; each distinct prompt runs once and its keys/values are copied to its n slot
+  rows. The distinct prompts run in chunks of at most `prefill_tokens` padded tokens, each
+  padded only to its own longest prompt, each writing its keys and values into its rows of the
+  shared buffers; only the last position's logits are kept.
 - Decode: one fixed-shape step per bucket size (the batch, then powers of two below it). On CUDA
   each bucket's step is captured once as a CUDA graph (`torch.cuda.graph`) and replayed, which
   removes the per-kernel launch cost that dominates a small model's decode step; the graphs
@@ -189,11 +191,37 @@ class StaticDecoder:
         return out.logits[:, -1, :]
 
     def prefill(self, rows: list[list[int]], pad_token_id: int) -> torch.Tensor:
-        """Write the prompts `rows` (sorted longest first) into slots [P - len, P); logits [B, V]."""
+        """Write the prompts `rows` (sorted longest first) into slots [P - len, P); logits [B, V].
+
+        Equal neighbouring rows (the samples of one prompt) are run once: the distinct prompts
+        are prefilled into the first slot rows, then their keys, values and logits are copied
+        out to every row that repeats them.
+        """
+        count, prompt_slots = len(rows), len(rows[0])
+        source = [0]  # [B]: the distinct prompt each row repeats
+        for index in range(1, count):
+            source.append(source[-1] + (rows[index] != rows[index - 1]))
+        distinct = [row for index, row in enumerate(rows) if index == 0 or row != rows[index - 1]]
+        logits = self._prefill_distinct(distinct, pad_token_id)  # [U, V]
+        if len(distinct) < count:
+            source = torch.tensor(source, device=self.device)  # [B]
+            for buffer in (*self.keys, *self.values):
+                buffer[:count, :, :prompt_slots] = buffer[:, :, :prompt_slots].index_select(0, source)
+            self.valid[:count] = self.valid.index_select(0, source)
+            logits = logits.index_select(0, source)  # [B, V]
+        lengths = torch.tensor([len(row) for row in rows], device=self.device)
+        self.positions[:count, 0] = lengths
+        self.write_slot.fill_(prompt_slots)
+        self.seq_length = prompt_slots
+        return logits
+
+    def _prefill_distinct(self, rows: list[list[int]], pad_token_id: int) -> torch.Tensor:
+        """Prefill `rows` (sorted longest first) into slot rows [0, len(rows)) in length-sorted
+        chunks; returns the logits at each row's last position [U, V]."""
         from prmppo.rollout.sampling import left_pad  # sampling imports nothing from here
 
-        count, prompt_slots = len(rows), len(rows[0])
-        self.valid[:count].zero_()
+        prompt_slots = len(rows[0])
+        self.valid[:len(rows)].zero_()
         slot_range = torch.arange(self.slots_total, device=self.device)  # [S]
         logits = []
         for start, stop in prefill_chunks([len(row) for row in rows], self.prefill_tokens):
@@ -206,11 +234,7 @@ class StaticDecoder:
             keep = (self.valid[start:stop, None, :] & causal) | (slot_range == slots[:, None])  # [b, p, S]
             self.seq_length = prompt_slots - width
             logits.append(self._forward(input_ids, positions, keep, slice(start, stop), slots))
-        lengths = torch.tensor([len(row) for row in rows], device=self.device)
-        self.positions[:count, 0] = lengths
-        self.write_slot.fill_(prompt_slots)
-        self.seq_length = prompt_slots
-        return torch.cat(logits)  # [B, V]
+        return torch.cat(logits)  # [U, V]
 
     def step(self, tokens: torch.Tensor, bucket: int) -> torch.Tensor:
         """Feed tokens [bucket] (one per slot row) at the next slot; returns logits [bucket, V].
