@@ -227,14 +227,14 @@ def print_table(results: dict) -> None:
     print(f"\ndevice: {results['device']}; model: {results['model']} ({results['shape']}, {results['dtype']}); "
           f"{results['new_tokens']} new tokens per row, every row forced to full length")
     print(f"{'rows':>5} {'side':<20} {'tokens/s':>10} {'s/call':>8} {'ms/token step':>14} {'warm-up s':>10} "
-          f"{'call GiB':>9} {'x generate':>11}  loop (CUDA graph buckets)")
+          f"{'call GiB':>9} {'x generate':>11}  loop (CUDA graph buckets) decode attention")
     for rows, sides in results["rows"].items():
         for side, fig in sides.items():
             peak = "-" if fig["call_gib"] is None else f"{fig['call_gib']:.2f}"
             step_ms = 1000 * fig["seconds"] / results["new_tokens"]  # prefill included
             print(f"{rows:>5} {side:<20} {fig['tokens_per_s']:>10.0f} {fig['seconds']:>8.3f} {step_ms:>14.2f} "
                   f"{fig['warmup_s']:>10.2f} {peak:>9} {fig['x_generate']:>10.2f}x  "
-                  f"{fig.get('loop', '')} {fig.get('cuda_graph_buckets') or ''}")
+                  f"{fig.get('loop', '')} {fig.get('cuda_graph_buckets') or ''} {fig.get('decode_attention') or ''}")
 
 
 def main(argv=None) -> int:
@@ -262,7 +262,7 @@ def main(argv=None) -> int:
         for figures in sides.values():
             figures["x_generate"] = round(figures["tokens_per_s"] / sides["generate"]["tokens_per_s"], 2)
         for decode, engine in engines.items():
-            sides[f"engine:{decode}"].update(engine.decode_info)  # the loop that ran, the graphs captured
+            sides[f"engine:{decode}"].update(engine.decode_info)  # the loop, the graphs, the decode attention
         results["rows"][rows] = sides
         if args.profile and rows == max(args.rows):
             profiles = profile_static_sides(calls, rows, args)

@@ -36,6 +36,8 @@ def test_cpu_smoke_run_writes_forced_length_figures(tmp_path):
     assert all(side["tokens"] == 8 * 16 and side["tokens_per_s"] > 0 for side in sides.values())
     assert sides["generate"]["x_generate"] == 1.0
     assert sides["engine:static"]["loop"] == "static" and sides["engine:dynamic"]["loop"] == "dynamic"
+    assert sides["engine:static"]["decode_attention"] == "prmppo_grouped"
+    assert sides["engine:dynamic"]["decode_attention"] is None
     assert results["device"].startswith("CPU") and "engine:static" in done.stdout
     # --profile: the static side only, its ops by self time, printed and written
     profile = (tmp_path / "out" / "gpu_bench_profile.txt").read_text()

@@ -63,7 +63,8 @@ def test_static_decoder_is_kept_across_requests_and_rebuilt_for_new_weights(tmp_
     assert engine._decoder is decoder  # same rows, cache long enough: reused
     engine.generate(PROMPTS, 3, 5, 1.0, 1.0, 3, EOS, PAD)
     assert engine._decoder is not decoder  # other row count: rebuilt
-    assert engine.decode_info == {"loop": "static", "cuda_graph_buckets": []}  # no graphs on a CPU
+    assert engine.decode_info == {"loop": "static", "cuda_graph_buckets": [],  # no graphs on a CPU
+                                  "decode_attention": "prmppo_grouped"}
 
 
 def test_exponential_race_samples_from_the_distribution():
@@ -103,7 +104,7 @@ def test_unsupported_models_are_named_and_fall_back_to_the_dynamic_loop(tmp_path
     engine.model.config._attn_implementation = "sdpa"
     tokens, _, _ = engine.generate(PROMPTS, 2, 4, 1.0, 1.0, 0, EOS, PAD)
     assert engine._decoder is None and len(tokens) == 6
-    assert engine.decode_info == {"loop": "dynamic", "cuda_graph_buckets": []}
+    assert engine.decode_info == {"loop": "dynamic", "cuda_graph_buckets": [], "decode_attention": None}
 
 
 class ReplayOnCPU:

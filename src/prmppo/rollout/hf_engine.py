@@ -120,9 +120,12 @@ class HFEngine:
     @property
     def decode_info(self) -> dict:
         """What the last `generate` ran: its loop ("static" or "dynamic", which a model the static
-        loop cannot run falls back to) and the bucket sizes that have a captured CUDA graph."""
-        graphs = sorted(self._decoder.graphs) if self._decoder is not None and self._decoder.use_graphs else []
-        return {"loop": self._last_loop, "cuda_graph_buckets": graphs}
+        loop cannot run falls back to), the bucket sizes that have a captured CUDA graph, and the
+        static loop's decode attention (`grouped_attention.NAME`, or None: the model's own)."""
+        decoder = self._decoder if self._last_loop == "static" else None
+        graphs = sorted(decoder.graphs) if decoder is not None and decoder.use_graphs else []
+        attention = decoder.decode_attention if decoder is not None else None
+        return {"loop": self._last_loop, "cuda_graph_buckets": graphs, "decode_attention": attention}
 
     @property
     def model(self) -> torch.nn.Module:
