@@ -24,7 +24,9 @@ same tokens up to float rounding of the logits. What it does differently:
   front of the buffers and decoding continues at that bucket size.
 - Attention: decode forwards run `grouped_attention.py` (registered with transformers and set
   only around those forwards), which never expands K/V from the KV heads to the query heads
-  as transformers' sdpa/eager do under a 4D mask; prefill keeps the model's own attention.
+  as transformers' sdpa/eager do under a 4D mask. Prefill keeps the model's own attention:
+  grouped attention would hold a whole chunk's scores [b, H, q, S], which sdpa's fused kernels
+  never materialise, and prefill copies only its own chunk's keys/values, once per request.
   Models with softcapping or sinks keep their own attention for decode too (with a warning).
 - Sampling happens outside the graph, on the device: the exponential noise for the whole batch
   is drawn every step and indexed by each slot's row, so which rows share a bucket never
