@@ -26,7 +26,7 @@ same tokens up to float rounding of the logits. What it does differently:
   only around those forwards), which never expands K/V from the KV heads to the query heads
   as transformers' sdpa/eager do under a 4D mask. Prefill keeps the model's own attention:
   grouped attention would hold a whole chunk's scores [b, H, q, S], which sdpa's fused kernels
-  never materialise, and prefill copies only its own chunk's keys/values, once per request.
+  never materialise, and prefill's K/V copy (its chunk's rows) happens once per request.
   Models with softcapping or sinks keep their own attention for decode too (with a warning).
 - Sampling happens outside the graph, on the device: the exponential noise for the whole batch
   is drawn every step and indexed by each slot's row, so which rows share a bucket never
