@@ -31,7 +31,8 @@ prints a table. With `--profile`, one more call of each static engine side (`sta
 `static_eager`) at the largest `--rows` runs under torch.profiler, and its top 20 ops by self
 device time (CPU time on a CPU) are printed and written to `<out>/gpu_bench_profile.txt`; under
 CUDA graphs the profiler sees the replayed kernels, not the ops that launched them, so
-`static_eager` is the side that names the ops. The update and the PPO iteration are measured elsewhere (`gpu_update_bench.py`).
+`static_eager` is the side that names the ops. The update and the PPO iteration are measured
+elsewhere (`gpu_update_bench.py`).
 """
 
 from __future__ import annotations

@@ -146,8 +146,11 @@ def test_prefill_runs_each_prompt_once_and_copies_it_to_its_samples(tmp_path, mo
     model = HFEngine(save_tiny_qwen2(tmp_path / "m")).model
     fed_rows = []
     original = static_decode.StaticDecoder._forward
-    monkeypatch.setattr(static_decode.StaticDecoder, "_forward",
-                        lambda self, input_ids, *args: fed_rows.append(len(input_ids)) or original(self, input_ids, *args))
+    def counting_forward(self, input_ids, *args):
+        fed_rows.append(len(input_ids))
+        return original(self, input_ids, *args)
+
+    monkeypatch.setattr(static_decode.StaticDecoder, "_forward", counting_forward)
     distinct = sorted(PROMPTS, key=len, reverse=True)  # [7, 3, 1 tokens]
     rows = [prompt for prompt in distinct for _ in range(3)]  # 3 samples each, neighbours
     once, each = (static_decode.StaticDecoder(model, len(rows), 128, use_graphs=False, prefill_tokens=8)
