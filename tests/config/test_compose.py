@@ -108,6 +108,7 @@ def test_schema_rejects_at_compose_time(override, fragment):
     (["rollout=vllm", "rollout.sync=adapter"], ["lora.modules_to_save=['model.norm'] with rollout=vllm",
                                                  "rollout.sync=checkpoint or lora.modules_to_save=[]"]),
     (["lora.modules_to_save_lr=0"], ["lora.modules_to_save_lr=0", "> 0"]),
+    (["rollout.decode=fast"], ["rollout.decode='fast'", "static_eager"]),
     (["rollout=vllm", "rollout.gpu_memory_utilization=1.5"], ["rollout.gpu_memory_utilization=1.5", "(0, 1]"]),
     (["arm=prm", "reward.transform=cube"], ["reward.transform='cube'", "min_form"]),
     (["ppo.max_engine_logprob_gap=0"], ["ppo.max_engine_logprob_gap=0", "> 0"]),

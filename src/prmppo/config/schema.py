@@ -197,6 +197,10 @@ class RolloutConfig:
     heartbeat_timeout_s: float = 60.0
     # vllm only: fraction of device memory (of RAM on CPU) the engine may reserve, in (0, 1]
     gpu_memory_utilization: float = 0.3
+    # hf only: decode loop. static (pre-allocated KV cache, finished rows dropped in buckets, CUDA
+    # graphs on CUDA) | static_eager (the same without CUDA graphs) | dynamic (the model's own growing
+    # cache, every row fed until all are done: the fallback); rollout/hf_engine.py
+    decode: str = "static"
 
 
 # --------------------------------------------------------------------------- topology

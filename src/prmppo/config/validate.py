@@ -24,6 +24,7 @@ from prmppo.models.prm_labels import ESTIMATIONS, LABEL_SOURCES
 from prmppo.ppo.maths import AGG_MODES as LOSS_AGGS, GROUP_ESTIMATORS
 from prmppo.ppo.sync import SYNC_MODES
 from prmppo.rewards.kl import KL_ESTIMATORS
+from prmppo.rollout.hf_engine import DECODE_MODES
 
 # the valid choices below are the implementing modules' own lists; these few have no module of their own
 ADVANTAGE_ESTIMATORS = ("gae", *GROUP_ESTIMATORS)
@@ -122,6 +123,7 @@ def _check_rest(problems: list[str], cfg: DictConfig) -> None:
     _choice(problems, "model.dtype", cfg.model.dtype, DTYPES)
     _choice(problems, "rollout.engine", cfg.rollout.engine, ENGINES)
     _choice(problems, "rollout.sync", cfg.rollout.sync, SYNC_MODES)
+    _choice(problems, "rollout.decode", cfg.rollout.decode, DECODE_MODES)
     _choice(problems, "logger.mode", cfg.logger.mode, WANDB_MODES)
     _positive(problems, cfg.rollout, "rollout", "sync_every_iterations", "startup_timeout_s",
               "request_timeout_s", "heartbeat_timeout_s")
