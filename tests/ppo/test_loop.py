@@ -56,9 +56,10 @@ def _batch(trainer, policy, seed: int = 0) -> TrainBatch:
     ids, att, pos, resp, mask, plen = collate(prompts, responses, pad_token_id=0)
     policy.train(False)
     with torch.no_grad():
-        logits, values = policy.forward(ids, att, pos)
-        old = trainer._response_logprobs(logits, resp, plen)
-        ref = trainer._response_logprobs(policy.reference_logits(ids, att, pos), resp, plen)
+        scored = policy.score(ids, att, pos, resp, mask, plen, trainer.ppo.temperature, 4096)
+        old = scored.logprobs
+        ref = policy.reference_score(ids, att, pos, resp, mask, plen, trainer.ppo.temperature, 4096)
+    values = scored.values
     values = torch.zeros_like(mask) if values is None else values[:, plen - 1:plen - 1 + resp.shape[1]] * mask
     advantages = torch.randn(mask.shape, generator=g) * mask
     returns = (torch.rand(mask.shape, generator=g) * 4) * mask  # returns of ~0-4, as on the default task
@@ -152,13 +153,21 @@ def test_group_estimators_report_the_critic_keys_as_inert():
 
 
 def test_logprobs_are_upcast_before_the_temperature():
-    trainer = _trainer(_policy(critic=False), _ppo("ppo.temperature=0.7"))
+    from prmppo.models.token_scores import token_scores
+
     g = torch.Generator().manual_seed(0)
-    logits = (torch.randn(2, 6, 32, generator=g) * 4).to(torch.bfloat16)
+    head = torch.nn.Linear(16, 32, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(32, 16, generator=g))
+    hidden = torch.randn(2, 5, 16, generator=g).to(torch.bfloat16)
     tokens = torch.randint(0, 32, (2, 5), generator=g)
-    expected = torch.log_softmax(logits[:, :5].float() / 0.7, -1).gather(-1, tokens[..., None]).squeeze(-1)
-    # prompt_length 1: response token t is predicted at position t
-    assert torch.allclose(trainer._response_logprobs(logits, tokens, prompt_length=1), expected, atol=1e-6)
+    logits = head(hidden)  # [2, 5, 32] bf16, as a bf16 model's head gives them
+    expected = torch.log_softmax(logits.float() / 0.7, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    tempered_in_bf16 = torch.log_softmax((logits / 0.7).float(), -1).gather(-1, tokens[..., None]).squeeze(-1)
+    assert (tempered_in_bf16 - expected).abs().max() > 1e-3  # the order matters at this size
+    with torch.no_grad():
+        got, _ = token_scores(head, hidden, tokens, torch.ones(2, 5), temperature=0.7, chunk_tokens=3)
+    assert torch.allclose(got, expected, atol=1e-6)
 
 
 def test_master_weights_keep_updates_that_bf16_rounds_away():

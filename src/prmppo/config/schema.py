@@ -226,8 +226,22 @@ class PPOConfig:
     n_samples_per_prompt: int = 4
     # rows (responses) per optimizer step; must divide prompts_per_iteration * n_samples_per_prompt
     minibatch_rows: int = 64
-    # rows per forward/backward pass (gradient accumulation); must divide minibatch_rows
+    # rows per forward/backward pass (gradient accumulation); must divide minibatch_rows. Rows are
+    # grouped by length and each micro-batch is cut to its longest row (ppo/batch.py), which changes
+    # no loss: the losses divide by minibatch counts
     micro_batch_rows: int = 32
+    # response tokens per LM-head chunk when computing logprobs/entropies from the hidden states
+    # (models/token_scores.py): bounds the float32 logits alive at once to chunk x vocabulary; >= 1
+    logit_chunk_tokens: int = 4096
+    # none | bfloat16: bf16 autocast of the trainer's forwards (matmuls in bf16, the weights stay in
+    # model.dtype). With model.dtype=float32 the fp32 weights are their own master copy (the GPU
+    # recipe: fp32 master weights, bf16 compute); with model.dtype=bfloat16 the forwards already run in
+    # bf16 and fp32 masters are kept beside the weights (ppo/optim.py), so autocast changes little.
+    # Logprobs, entropies, the losses and the critic stay fp32 either way. Meant for CUDA (on CPU it runs, slowly)
+    autocast: str = "none"
+    # recompute each decoder layer's activations in backward (transformers' checkpointing): less
+    # memory for ~1/3 more update compute; works with LoRA and with full fine-tuning
+    gradient_checkpointing: bool = False
     ppo_epochs: int = 1
     # tokens
     max_new_tokens: int = 64

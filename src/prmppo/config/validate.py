@@ -21,6 +21,7 @@ from prmppo.config.build import build_quietly, check_targets
 from prmppo.errors import ConfigError
 from prmppo.models.prm import HEAD_TYPES as PRM_HEADS
 from prmppo.models.prm_labels import ESTIMATIONS, LABEL_SOURCES
+from prmppo.ppo.optim import AUTOCAST_MODES
 from prmppo.ppo.maths import AGG_MODES as LOSS_AGGS, GROUP_ESTIMATORS
 from prmppo.ppo.sync import SYNC_MODES
 from prmppo.rewards.kl import KL_ESTIMATORS
@@ -48,7 +49,8 @@ def _positive(problems: list[str], cfg: DictConfig, section: str, *keys: str) ->
 def _check_ppo(problems: list[str], ppo: DictConfig) -> None:
     _positive(problems, ppo, "ppo", "iterations", "prompts_per_iteration", "n_samples_per_prompt",
               "minibatch_rows", "micro_batch_rows", "ppo_epochs", "max_new_tokens", "temperature",
-              "lr", "grad_clip")
+              "lr", "grad_clip", "logit_chunk_tokens")
+    _choice(problems, "ppo.autocast", ppo.autocast, AUTOCAST_MODES)
     rows = ppo.prompts_per_iteration * ppo.n_samples_per_prompt
     if ppo.minibatch_rows > 0 and rows % ppo.minibatch_rows:
         problems.append(

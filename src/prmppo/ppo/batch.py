@@ -4,6 +4,11 @@ Layout: every row is `[left-padded prompt (P) | right-padded response (T)]`. Pos
 real tokens only (cumsum of the attention mask - 1), exactly as the rollout engine assigns
 them, so the trainer's recomputed logprobs match the engine's. The logits that predict response
 token t sit at sequence position P - 1 + t.
+
+Forward passes run on micro-batches of rows of similar length (`length_buckets`), each cut to the
+columns some row of it uses (`trim_columns`, `TrainBatch.trimmed`), so no compute is spent on
+columns that are padding in every row. The losses divide by explicit minibatch counts, so which
+rows share a micro-batch changes no loss and no gradient.
 """
 
 from __future__ import annotations
@@ -56,6 +61,34 @@ class TrainBatch:
         """The sub-batch of rows `index` (a minibatch or micro-batch)."""
         picked = {f.name: getattr(self, f.name) for f in fields(self)}
         return TrainBatch(**{k: (v[index] if isinstance(v, Tensor) else v) for k, v in picked.items()})
+
+    def trimmed(self) -> "TrainBatch":
+        """The same rows without the columns that are padding in every one of them."""
+        columns, width, prompt_length = trim_columns(self.attention_mask, self.response_mask, self.prompt_length)
+        picked = {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {k: v[:, columns] if k in ("input_ids", "attention_mask", "position_ids") else v[:, :width]
+               for k, v in picked.items() if isinstance(v, Tensor)}
+        return TrainBatch(**out, prompt_length=prompt_length)
+
+
+def trim_columns(attention_mask: Tensor, response_mask: Tensor, prompt_length: int) -> tuple[slice, int, int]:
+    """(input columns to keep, response width T', prompt length P') for rows `[P | T]`: from the first
+    column any row attends to, to the end of the longest response (by `response_mask`, at least one
+    token). Column P - 1 holds every row's last prompt token, so the cut never passes it."""
+    used = attention_mask[:, :prompt_length].any(0).nonzero()  # [k, 1] prompt columns some row uses
+    start = min(int(used[0, 0]) if len(used) else prompt_length - 1, prompt_length - 1)
+    width = max(int(response_mask.sum(-1).max()) if len(response_mask) else 0, 1)
+    return slice(start, prompt_length + width), width, prompt_length - start
+
+
+def length_buckets(attention_mask: Tensor, response_mask: Tensor, rows_per_bucket: int) -> list[Tensor]:
+    """Row indices [b] in groups of `rows_per_bucket`, rows sorted by response then prompt length so
+    that each group's trimmed width (`trim_columns`) is close to each of its rows' lengths."""
+    response_lengths = response_mask.sum(-1).long()  # [B]
+    prompt_lengths = attention_mask.sum(-1).long() - response_lengths  # [B]
+    key = response_lengths * (attention_mask.shape[1] + 1) + prompt_lengths  # [B]
+    order = torch.argsort(key, stable=True)
+    return list(order.split(rows_per_bucket))
 
 
 def collate(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_token_id: int

@@ -45,8 +45,8 @@ from prmppo.errors import PrmppoError
 from prmppo.guards.tripwires import SkipBudget
 from prmppo.logger.console import progress
 from prmppo.ppo import maths
-from prmppo.ppo.batch import RolloutBatch, TrainBatch, collate, pad_floats
-from prmppo.ppo.optim import MasterWeights
+from prmppo.ppo.batch import RolloutBatch, TrainBatch, collate, length_buckets, pad_floats, trim_columns
+from prmppo.ppo.optim import MasterWeights, adamw
 from prmppo.ppo.sync import WeightSync
 from prmppo.rewards.kl import kl_estimate
 from prmppo.rollout.protocol import RolloutRequest
@@ -123,9 +123,10 @@ class PPOTrainer:
                              f"{'needs' if self.uses_critic else 'must not have'} a value head on the policy")
         self.shape = Shape.derive(ppo)
         self.masters = MasterWeights(policy.policy_param_groups(ppo.lr))
-        self.policy_optimizer = torch.optim.AdamW(self.masters.groups, lr=ppo.lr, betas=ADAM_BETAS, weight_decay=0.0)
-        self.value_optimizer = (torch.optim.AdamW(policy.value_parameters(), lr=ppo.value_lr, betas=ADAM_BETAS,
-                                                  weight_decay=0.0) if self.uses_critic else None)
+        self.policy_optimizer = adamw(self.masters.groups, ppo.lr, ADAM_BETAS)
+        self.value_optimizer = adamw(policy.value_parameters(), ppo.value_lr, ADAM_BETAS) if self.uses_critic else None
+        if ppo.gradient_checkpointing:
+            policy.enable_gradient_checkpointing()
         self.scheduler = maths.make_scheduler(self.policy_optimizer, self.shape.policy_steps,
                                               min(ppo.warmup_steps, max(self.shape.policy_steps - 1, 0)),
                                               ppo.min_lr_ratio)
@@ -171,31 +172,39 @@ class PPOTrainer:
                                        batch.response_mask.to(self.device)))
 
     # ------------------------------------------------------------------ 3. assemble (+ 4. advantages)
-    def _response_logprobs(self, logits: torch.Tensor, response_ids: torch.Tensor, prompt_length: int
-                           ) -> torch.Tensor:
-        width = response_ids.shape[1]
-        # upcast before the temperature, as the engines do: bf16 logits / T round differently
-        scaled = logits[:, prompt_length - 1:prompt_length - 1 + width].float() / self.ppo.temperature  # [b, T, V]
-        return maths.logprobs_from_logits(scaled, response_ids)  # [b, T]
+    def _precision(self):
+        """The forwards' precision context: bf16 autocast with `ppo.autocast=bfloat16` (weights stay in
+        model.dtype, so fp32 weights are their own master copy), else the weights' own dtype."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.ppo.autocast == "bfloat16")
 
     @torch.no_grad()
     def _forward_no_grad(self, batch: RolloutBatch):
-        """(old logprobs, reference logprobs, values, value after each row's last token), all [B, T] / [B]."""
-        dev, plen, width = self.device, batch.prompt_length, batch.response_ids.shape[1]
-        old_lp, ref_lp, values, after = [], [], [], []
+        """(old logprobs, reference logprobs, values, value after each row's last token), all [B, T] / [B];
+        0 past each row's response. Rows run in length buckets, each cut to the columns it uses."""
+        dev, ppo = self.device, self.ppo
+        old_lp = torch.zeros(batch.response_ids.shape, device=dev)  # [B, T]
+        ref_lp, values = torch.zeros_like(old_lp), torch.zeros_like(old_lp)  # [B, T]
+        after = torch.zeros(len(batch), device=dev)  # [B]
         self.policy.train(False)
-        for rows in torch.arange(len(batch)).split(self.ppo.micro_batch_rows):
-            ids, att, pos = (t[rows].to(dev) for t in (batch.input_ids, batch.attention_mask, batch.position_ids))
-            response_ids = batch.response_ids[rows].to(dev)
-            logits, vals = self.policy.forward(ids, att, pos)
-            old_lp.append(self._response_logprobs(logits, response_ids, plen))
-            ref_lp.append(self._response_logprobs(self.policy.reference_logits(ids, att, pos), response_ids, plen))
-            if vals is not None:
-                values.append(vals[:, plen - 1:plen - 1 + width])  # V(s_t): the state before response token t
-                lengths = batch.response_mask[rows].sum(-1).long().to(dev)  # [b]
-                after.append(vals.gather(1, (plen - 1 + lengths)[:, None]).squeeze(1))  # V after the last token
-        cat = lambda xs: torch.cat(xs) if xs else None  # noqa: E731
-        return torch.cat(old_lp), torch.cat(ref_lp), cat(values), cat(after)
+        for rows in length_buckets(batch.attention_mask, batch.response_mask, ppo.micro_batch_rows):
+            columns, width, plen = trim_columns(batch.attention_mask[rows], batch.response_mask[rows],
+                                                batch.prompt_length)
+            ids, att, pos = (t[rows][:, columns].to(dev) for t in (batch.input_ids, batch.attention_mask,
+                                                                  batch.position_ids))
+            response_ids, response_mask = (t[rows, :width].to(dev) for t in (batch.response_ids, batch.response_mask))
+            with self._precision():
+                scored = self.policy.score(ids, att, pos, response_ids, response_mask, plen, ppo.temperature,
+                                           ppo.logit_chunk_tokens)
+                ref = self.policy.reference_score(ids, att, pos, response_ids, response_mask, plen, ppo.temperature,
+                                                  ppo.logit_chunk_tokens)
+            rows = rows.to(dev)
+            old_lp[rows, :width], ref_lp[rows, :width] = scored.logprobs, ref
+            if scored.values is not None:
+                values[rows, :width] = scored.values[:, plen - 1:plen - 1 + width]  # V(s_t): before response token t
+                lengths = response_mask.sum(-1).long()  # [b]
+                after[rows] = scored.values.gather(1, (plen - 1 + lengths)[:, None]).squeeze(1)  # after the last token
+        critic = self.policy.value_head is not None
+        return old_lp, ref_lp, values if critic else None, after if critic else None
 
     @torch.no_grad()
     def assemble(self, batch: RolloutBatch, rewards) -> tuple[TrainBatch, dict]:
@@ -254,22 +263,24 @@ class PPOTrainer:
     # ------------------------------------------------------------------ 5. update
     def _micro_loss(self, mb: TrainBatch, tokens: float, seqs: float, train_policy: bool):
         ppo = self.ppo
-        logits, values = self.policy.forward(mb.input_ids, mb.attention_mask, mb.position_ids)
+        with self._precision():
+            scored = self.policy.score(mb.input_ids, mb.attention_mask, mb.position_ids, mb.response_ids,
+                                       mb.response_mask, mb.prompt_length, ppo.temperature, ppo.logit_chunk_tokens,
+                                       with_entropy=train_policy)
         plen, width = mb.prompt_length, mb.response_ids.shape[1]
         counts = dict(global_token_count=tokens, global_seq_count=seqs, norm_length=float(ppo.max_new_tokens))
         loss, stats = 0.0, {}
         if self.uses_critic:
             head = self.policy.value_head  # the loss in normalised return units (ValueHead)
-            v_loss, v_clip = maths.value_loss(head.normalise(values[:, plen - 1:plen - 1 + width]),
+            v_loss, v_clip = maths.value_loss(head.normalise(scored.values[:, plen - 1:plen - 1 + width]),
                                               head.normalise(mb.old_values), head.normalise(mb.returns),
                                               mb.response_mask, ppo.value_clip, ppo.loss_agg, **counts)
             loss, stats = ppo.vf_coef * v_loss, {"value/loss": v_loss.detach(), "value/clip_fraction": v_clip}
         if train_policy:
-            logprobs = self._response_logprobs(logits, mb.response_ids, mb.prompt_length)
+            logprobs = scored.logprobs
             p_loss, pstats = maths.policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
                                                ppo.clip_low, ppo.clip_high, ppo.clip_c, ppo.loss_agg, **counts)
-            entropy = maths.entropy_from_logits(logits[:, plen - 1:plen - 1 + width].float() / ppo.temperature)
-            ent = maths.aggregate(entropy, mb.response_mask, ppo.loss_agg, **counts)
+            ent = maths.aggregate(scored.entropy, mb.response_mask, ppo.loss_agg, **counts)
             loss = loss + p_loss - ppo.entropy_coef * ent
             if ppo.kl_loss_coef > 0:
                 kl = maths.aggregate(kl_estimate(logprobs, mb.ref_logprobs, ppo.kl_loss_estimator), mb.response_mask,
@@ -315,8 +326,8 @@ class PPOTrainer:
         tokens = float(minibatch.response_mask.sum())
         seqs = float((minibatch.response_mask.sum(-1) > 0).sum())
         ran, ratio = 0, None
-        for micro in torch.arange(len(minibatch.input_ids)).split(self.ppo.micro_batch_rows):
-            part = minibatch.rows(micro.to(device))
+        for micro in length_buckets(minibatch.attention_mask, minibatch.response_mask, self.ppo.micro_batch_rows):
+            part = minibatch.rows(micro.to(device)).trimmed()  # rows of similar length, no all-padding column
             if not part.response_mask.any():  # only rows of dropped groups
                 continue
             loss, stats = self._micro_loss(part, tokens, seqs, train_policy)
