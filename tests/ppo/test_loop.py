@@ -4,6 +4,8 @@ fp32 master weights for half-precision parameters, and the engine-gap limit abov
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -234,3 +236,60 @@ def test_value_head_starts_at_the_mean_return_and_keeps_predictions_when_statist
     assert float(head.return_mean) == pytest.approx(7.0)
     assert float(head.return_std) == pytest.approx(27.5 ** 0.5)
     assert torch.allclose(head(hidden), before, atol=1e-5)  # PopArt: the same predictions in new units
+
+
+def _first_step_grads(micro_batch_rows: int, spy_widths: list | None = None, *overrides: str):
+    policy = _policy(critic=True)
+    trainer = _trainer(policy, _ppo("ppo.advantage_estimator=gae", f"ppo.micro_batch_rows={micro_batch_rows}",
+                                    *overrides))
+    batch = _batch(trainer, policy)
+    if spy_widths is not None:
+        score = policy.score
+
+        def spy(input_ids, *args, **kwargs):
+            spy_widths.append(tuple(input_ids.shape))
+            return score(input_ids, *args, **kwargs)
+
+        policy.score = spy
+    seen = _policy_grads_seen(trainer)
+    metrics = trainer.update(batch, iteration=0)
+    return seen[0], metrics, batch
+
+
+def test_length_buckets_and_trimming_change_no_gradient_and_no_loss():
+    # one micro-batch of all 8 rows vs four length-sorted micro-batches of 2, each cut to its longest
+    # row: the losses divide by the minibatch's counts, so the gradient is the same sum
+    shapes: list = []
+    whole, m_whole, batch = _first_step_grads(8)
+    parts, m_parts, _ = _first_step_grads(2, shapes)
+    for a, b in zip(whole, parts):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    for key in ("ppo/policy_loss", "value/loss", "ppo/entropy"):
+        assert m_parts[key] == pytest.approx(m_whole[key], rel=1e-5)
+    # and the micro-batches did less work than the padded batch: fewer columns x rows
+    assert sum(rows * cols for rows, cols in shapes) < batch.input_ids.numel()
+    assert shapes[0][1] < batch.input_ids.shape[1]  # the shortest rows ran narrower
+
+
+def test_bf16_autocast_runs_the_forward_in_bf16_and_keeps_the_losses_fp32():
+    policy = _policy(critic=True)
+    trainer = _trainer(policy, _ppo("ppo.advantage_estimator=gae", "ppo.autocast=bfloat16"))
+    batch = _batch(trainer, policy)
+    dtypes = []
+    q_proj = policy.model.get_base_model().model.layers[0].self_attn.q_proj.base_layer
+    q_proj.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+    metrics = trainer.update(batch, iteration=0)
+    assert dtypes and set(dtypes) == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in policy.policy_parameters())  # fp32 weights: the masters
+    assert not trainer.masters.pairs and math.isfinite(metrics["ppo/policy_loss"])
+    with trainer._precision():
+        scored = policy.score(batch.input_ids, batch.attention_mask, batch.position_ids, batch.response_ids,
+                              batch.response_mask, batch.prompt_length, 1.0, 4096, with_entropy=True)
+    assert scored.logprobs.dtype == scored.entropy.dtype == scored.values.dtype == torch.float32
+
+
+def test_gradient_checkpointing_switch_keeps_the_update():
+    plain, _, _ = _first_step_grads(4)
+    checkpointed, _, _ = _first_step_grads(4, None, "ppo.gradient_checkpointing=true")
+    for a, b in zip(plain, checkpointed):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)

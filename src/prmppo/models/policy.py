@@ -171,7 +171,10 @@ class _PolicyBase:
         layers in training mode, so `train` marks the decoder layers themselves as training: their
         submodules (dropout, attention) keep the mode they were given."""
         lm = _causal_lm(self.model)
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(lm, "activation_checkpointing_enable"):  # transformers >= 5.x names it so
+            lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         lm.enable_input_require_grads()  # frozen embeddings under LoRA: the recompute still needs a grad path
         self._checkpointed_layers = tuple(m for m in lm.modules() if getattr(m, "gradient_checkpointing", False))
         if not self._checkpointed_layers:
