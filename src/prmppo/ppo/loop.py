@@ -12,7 +12,9 @@ One iteration (`PPOTrainer.iteration`) reads like the algorithm:
               prompt's other samples; the in-reward KL stays out of the group statistics; with
               `drop_uniform_groups`, the rows of a prompt whose samples the verifier scored all
               right or all wrong are masked out of the update (every loss and its denominators);
-  5. update   ppo_epochs over minibatches of micro-batches, clipped losses, one policy and one
+  5. update   ppo_epochs over minibatches of micro-batches (rows of similar length, each cut to its
+              longest row; logprobs from the hidden states in chunks, models/token_scores.py),
+              clipped losses, one policy and one
               value optimizer step per minibatch (only the critic during value warmup); the two
               gradients are clipped and checked for finiteness separately;
   6. sync     ship the new weights to the engine every `sync_every_iterations`; log.
