@@ -69,6 +69,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--micro-batch-rows", type=int, default=0,
                         help="ppo.micro_batch_rows; default min(32, minibatch rows)")
     parser.add_argument("--logit-chunk-tokens", type=int, default=4096)
+    parser.add_argument("--micro-batch-tokens", type=int, default=0,
+                        help="ppo.micro_batch_tokens (new path): size micro-batches by tokens; 0: by rows only")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--paths", default="old,new", help="which paths to run, in this order")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="override the device's bf16 peak")
@@ -128,14 +130,17 @@ def build_policy(args):
     return FullPolicy(base, detach_value_hidden=True, critic=args.critic), n_params
 
 
-def ppo_config(args):
+def ppo_config(args, path: str):
+    """The PPO settings of a path: the old one runs without the new switches."""
     from prmppo.config.schema import PPOConfig
 
+    new = path == "new"
     return PPOConfig(iterations=10, prompts_per_iteration=args.rows // 4, n_samples_per_prompt=4,
                      minibatch_rows=args.minibatch_rows, micro_batch_rows=args.micro_batch_rows,
                      max_new_tokens=args.new_tokens, advantage_estimator="gae" if args.critic else "rloo",
-                     logit_chunk_tokens=args.logit_chunk_tokens, autocast=args.autocast,
-                     gradient_checkpointing=args.gradient_checkpointing, warmup_steps=0, lr=1e-6,
+                     logit_chunk_tokens=args.logit_chunk_tokens, autocast=args.autocast if new else "none",
+                     micro_batch_tokens=(args.micro_batch_tokens or None) if new else None,
+                     gradient_checkpointing=args.gradient_checkpointing and new, warmup_steps=0, lr=1e-6,
                      max_skipped_fraction=1.0, max_consecutive_skipped_steps=1000)
 
 
@@ -277,7 +282,7 @@ def run_path(path: str, args, rollout) -> dict:
     policy, n_params = build_policy(args)
     cls = make_old_path_trainer() if path == "old" else PPOTrainer
     trainer = cls(policy=policy, tokenizer=None, task=_Task(), reward=None, engine=None, sync=None,
-                  ppo=ppo_config(args), logger=None, device=torch.device(args.device), seed=0)
+                  ppo=ppo_config(args, path), logger=None, device=torch.device(args.device), seed=0)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     forwards = [_timed(lambda: trainer._forward_no_grad(rollout), args.device) for _ in range(args.repeats)]
@@ -297,6 +302,7 @@ def report(args, results: dict, tokens: int, padded: int) -> None:
     peak = peak_tflops(args)
     device = torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda") else "cpu"
     n_params = next(iter(results.values()))["n_params"]
+    micro_tokens = f" (new path: at most {args.micro_batch_tokens} tokens)" if args.micro_batch_tokens else ""
     print(f"device: {device}; bf16 dense peak: {f'{peak:.0f} TFLOP/s' if peak else 'unknown (--peak-tflops)'}")
     print(f"model: {args.model or args.shape}, N = {n_params / 1e6:.1f}M parameters (base model, embeddings "
           f"included, tied head once); {'LoRA r=16, all linear layers' if args.lora else 'full fine-tuning'}; "
@@ -305,7 +311,7 @@ def report(args, results: dict, tokens: int, padded: int) -> None:
     print(f"rollout: {args.rows} rows, prompts ~{args.prompt_tokens} tokens, responses {args.min_new_tokens}-"
           f"{args.new_tokens} tokens; {tokens} real tokens per update of {padded} padded "
           f"({100 * (1 - tokens / padded):.0f}% padding); minibatch {args.minibatch_rows} rows, micro-batch "
-          f"{args.micro_batch_rows} rows; medians of {args.repeats}")
+          f"{args.micro_batch_rows} rows{micro_tokens}; medians of {args.repeats}")
     print("| path | update s | update tok/s | MFU (6N) | no-grad forwards s | peak GiB |")
     print("|---|---|---|---|---|---|")
     for path, r in results.items():

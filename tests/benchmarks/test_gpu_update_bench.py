@@ -13,7 +13,7 @@ TOY = ["--shape", "tiny-qwen2", "--vocab", "300", "--rows", "4", "--prompt-token
        "--min-new-tokens", "2", "--repeats", "1", "--peak-tflops", "1"]
 
 
-@pytest.mark.parametrize("mode", [["--lora"], ["--critic", "--gradient-checkpointing"]])
+@pytest.mark.parametrize("mode", [["--lora"], ["--critic", "--gradient-checkpointing", "--micro-batch-tokens", "40"]])
 def test_bench_reports_old_and_new_paths_side_by_side(monkeypatch, capsys, mode):
     monkeypatch.setattr(sys, "argv", [str(BENCH), *TOY, *mode])
     with pytest.raises(SystemExit) as done:

@@ -124,6 +124,7 @@ def test_schema_rejects_at_compose_time(override, fragment):
     (["ppo.kl_loss_coef=-1"], ["ppo.kl_loss_coef=-1", ">= 0"]),
     (["ppo.autocast=float16"], ["ppo.autocast='float16'", "none, bfloat16"]),
     (["ppo.logit_chunk_tokens=0"], ["ppo.logit_chunk_tokens=0", "> 0"]),
+    (["ppo.micro_batch_tokens=-5"], ["ppo.micro_batch_tokens=-5", "> 0"]),
     (["ppo.advantage_estimator=rloo", "ppo.value_warmup_iterations=2"],
      ["ppo.value_warmup_iterations=2 warms up a critic", "uses none"]),
 ])

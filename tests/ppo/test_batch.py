@@ -40,3 +40,14 @@ def test_length_buckets_group_rows_of_similar_length():
     # response lengths 4, 1, 2, 0 -> order 3, 1, 2, 0
     assert [b.tolist() for b in buckets] == [[3, 1], [2, 0]]
     assert sorted(torch.cat(buckets).tolist()) == [0, 1, 2, 3]  # every row exactly once
+
+
+def test_a_token_budget_closes_buckets_before_they_outgrow_it():
+    ids, att, pos, resp, mask, plen = _rows()
+    # sorted: row 3 (prompt 1, response 0 -> 1 column), 1 (3 + 1), 2 (2 + 2), 0 (1 + 4)
+    # budget 8: [3, 1] is 2 x (3 + 1) = 8; adding 2 gives 3 x (3 + 2) = 15; [2, 0] is 2 x (2 + 4) = 12 > 8
+    buckets = length_buckets(att, mask, rows_per_bucket=4, max_tokens=8)
+    assert [b.tolist() for b in buckets] == [[3, 1], [2], [0]]
+    # the row cap still holds under a large budget, and a row over the budget runs alone
+    assert [b.tolist() for b in length_buckets(att, mask, rows_per_bucket=3, max_tokens=1000)] == [[3, 1, 2], [0]]
+    assert [b.tolist() for b in length_buckets(att, mask, rows_per_bucket=4, max_tokens=1)] == [[3], [1], [2], [0]]

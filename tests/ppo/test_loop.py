@@ -293,3 +293,13 @@ def test_gradient_checkpointing_switch_keeps_the_update():
     checkpointed, _, _ = _first_step_grads(4, None, "ppo.gradient_checkpointing=true")
     for a, b in zip(plain, checkpointed):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
+def test_micro_batches_sized_by_tokens_change_no_gradient():
+    whole, m_whole, _ = _first_step_grads(8)
+    shapes: list = []
+    budget, m_budget, _ = _first_step_grads(8, shapes, "ppo.micro_batch_tokens=20")
+    assert len(shapes) > 2  # the no-grad pass and the update split the 8 rows by the budget
+    for a, b in zip(whole, budget):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    assert m_budget["ppo/policy_loss"] == pytest.approx(m_whole["ppo/policy_loss"], rel=1e-5)

@@ -230,6 +230,10 @@ class PPOConfig:
     # grouped by length and each micro-batch is cut to its longest row (ppo/batch.py), which changes
     # no loss: the losses divide by minibatch counts
     micro_batch_rows: int = 32
+    # tokens (rows x the micro-batch's trimmed width) per forward/backward pass, or null: with a value,
+    # micro-batches are sized by memory rather than by rows (short rows share one, a long row may run
+    # alone), micro_batch_rows staying the cap on rows; the maths is the same either way; > 0
+    micro_batch_tokens: Optional[int] = None
     # response tokens per LM-head chunk when computing logprobs/entropies from the hidden states
     # (models/token_scores.py): bounds the float32 logits alive at once to chunk x vocabulary; >= 1
     logit_chunk_tokens: int = 4096

@@ -51,6 +51,9 @@ def _check_ppo(problems: list[str], ppo: DictConfig) -> None:
               "minibatch_rows", "micro_batch_rows", "ppo_epochs", "max_new_tokens", "temperature",
               "lr", "grad_clip", "logit_chunk_tokens")
     _choice(problems, "ppo.autocast", ppo.autocast, AUTOCAST_MODES)
+    if ppo.micro_batch_tokens is not None and ppo.micro_batch_tokens <= 0:
+        problems.append(f"ppo.micro_batch_tokens={ppo.micro_batch_tokens} must be > 0 (or null: micro-batches "
+                        f"of ppo.micro_batch_rows rows)")
     rows = ppo.prompts_per_iteration * ppo.n_samples_per_prompt
     if ppo.minibatch_rows > 0 and rows % ppo.minibatch_rows:
         problems.append(

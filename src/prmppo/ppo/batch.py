@@ -81,14 +81,29 @@ def trim_columns(attention_mask: Tensor, response_mask: Tensor, prompt_length: i
     return slice(start, prompt_length + width), width, prompt_length - start
 
 
-def length_buckets(attention_mask: Tensor, response_mask: Tensor, rows_per_bucket: int) -> list[Tensor]:
-    """Row indices [b] in groups of `rows_per_bucket`, rows sorted by response then prompt length so
-    that each group's trimmed width (`trim_columns`) is close to each of its rows' lengths."""
+def length_buckets(attention_mask: Tensor, response_mask: Tensor, rows_per_bucket: int,
+                   max_tokens: int | None = None) -> list[Tensor]:
+    """Row indices [b] in groups of at most `rows_per_bucket`, rows sorted by response then prompt
+    length so that each group's trimmed width (`trim_columns`) is close to each of its rows' lengths.
+    With `max_tokens`, a group also closes before its rows x trimmed width would pass it (a row
+    alone may: it runs by itself), so short rows share a micro-batch that long ones could not."""
     response_lengths = response_mask.sum(-1).long()  # [B]
     prompt_lengths = attention_mask.sum(-1).long() - response_lengths  # [B]
     key = response_lengths * (attention_mask.shape[1] + 1) + prompt_lengths  # [B]
     order = torch.argsort(key, stable=True)
-    return list(order.split(rows_per_bucket))
+    if max_tokens is None:
+        return list(order.split(rows_per_bucket))
+    buckets, current, widest_prompt, widest_response = [], [], 0, 0
+    for row in order.tolist():
+        prompt, response = int(prompt_lengths[row]), max(int(response_lengths[row]), 1)
+        grown = (len(current) + 1) * (max(widest_prompt, prompt) + max(widest_response, response))
+        if current and (len(current) == rows_per_bucket or grown > max_tokens):
+            buckets.append(current)
+            current, widest_prompt, widest_response = [], 0, 0
+        current.append(row)
+        widest_prompt, widest_response = max(widest_prompt, prompt), max(widest_response, response)
+    buckets.append(current)
+    return [torch.tensor(rows, dtype=torch.long, device=order.device) for rows in buckets if rows]
 
 
 def collate(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_token_id: int

@@ -188,7 +188,8 @@ class PPOTrainer:
         ref_lp, values = torch.zeros_like(old_lp), torch.zeros_like(old_lp)  # [B, T]
         after = torch.zeros(len(batch), device=dev)  # [B]
         self.policy.train(False)
-        for rows in length_buckets(batch.attention_mask, batch.response_mask, ppo.micro_batch_rows):
+        for rows in length_buckets(batch.attention_mask, batch.response_mask, ppo.micro_batch_rows,
+                                   ppo.micro_batch_tokens):
             columns, width, plen = trim_columns(batch.attention_mask[rows], batch.response_mask[rows],
                                                 batch.prompt_length)
             ids, att, pos = (t[rows][:, columns].to(dev) for t in (batch.input_ids, batch.attention_mask,
@@ -328,7 +329,8 @@ class PPOTrainer:
         tokens = float(minibatch.response_mask.sum())
         seqs = float((minibatch.response_mask.sum(-1) > 0).sum())
         ran, ratio = 0, None
-        for micro in length_buckets(minibatch.attention_mask, minibatch.response_mask, self.ppo.micro_batch_rows):
+        for micro in length_buckets(minibatch.attention_mask, minibatch.response_mask, self.ppo.micro_batch_rows,
+                                    self.ppo.micro_batch_tokens):
             part = minibatch.rows(micro.to(device)).trimmed()  # rows of similar length, no all-padding column
             if not part.response_mask.any():  # only rows of dropped groups
                 continue
