@@ -21,8 +21,8 @@ from prmppo.config.build import build_quietly, check_targets
 from prmppo.errors import ConfigError
 from prmppo.models.prm import HEAD_TYPES as PRM_HEADS
 from prmppo.models.prm_labels import ESTIMATIONS, LABEL_SOURCES
-from prmppo.ppo.optim import AUTOCAST_MODES
 from prmppo.ppo.maths import AGG_MODES as LOSS_AGGS, GROUP_ESTIMATORS
+from prmppo.ppo.optim import AUTOCAST_MODES
 from prmppo.ppo.sync import SYNC_MODES
 from prmppo.rewards.kl import KL_ESTIMATORS
 

@@ -12,8 +12,9 @@ Both expose the same surface to the PPO loop: `score` (logprobs of the taken res
 their entropies and values, computed from the final hidden states in chunks through the LM head so
 that no [B, T, V] logit tensor exists: models/token_scores.py), `reference_score` (the same logprobs
 under the reference, no grad), `forward` / `reference_logits` (full logits, for the gates and
-tests), `enable_gradient_checkpointing`, `policy_parameters`, `value_parameters`, `save_merged` (an HF-layout directory of the current
-policy, for the checkpoint sync and for evaluation) and `save_adapter` (the adapter sync).
+tests), `enable_gradient_checkpointing`, `policy_parameters`, `value_parameters`, `save_merged`
+(an HF-layout directory of the current policy, for the checkpoint sync and for evaluation) and
+`save_adapter` (the adapter sync).
 Both start equal to the base: LoRA's B matrices are zero at init (initialised from a seeded
 generator), so the first rollout's ratio to the reference is exactly 1.
 """
