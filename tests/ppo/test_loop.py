@@ -289,6 +289,11 @@ def test_bf16_autocast_runs_the_forward_in_bf16_and_keeps_the_losses_fp32():
 
 
 def test_gradient_checkpointing_switch_keeps_the_update():
+    policy = _policy(critic=True)
+    _trainer(policy, _ppo("ppo.advantage_estimator=gae", "ppo.gradient_checkpointing=true"))
+    policy.train(False)  # as the update runs: dropout off, the decoder layers still checkpointing
+    assert policy._checkpointed_layers and all(layer.training for layer in policy._checkpointed_layers)
+    assert not policy.model.training
     plain, _, _ = _first_step_grads(4)
     checkpointed, _, _ = _first_step_grads(4, None, "ppo.gradient_checkpointing=true")
     for a, b in zip(plain, checkpointed):
