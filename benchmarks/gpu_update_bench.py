@@ -68,7 +68,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--minibatch-rows", type=int, default=0, help="ppo.minibatch_rows; default min(64, rows)")
     parser.add_argument("--micro-batch-rows", type=int, default=0,
                         help="ppo.micro_batch_rows; default min(32, minibatch rows)")
-    parser.add_argument("--logit-chunk-tokens", type=int, default=4096)
+    parser.add_argument("--logit-chunk-tokens", type=int, default=2048)
     parser.add_argument("--micro-batch-tokens", type=int, default=0,
                         help="ppo.micro_batch_tokens (new path): size micro-batches by tokens; 0: by rows only")
     parser.add_argument("--repeats", type=int, default=3)

@@ -138,3 +138,14 @@ def test_score_refuses_a_model_that_scales_its_logits():
     ids, att, pos, resp, mask, plen = _rows()
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         policy.score(ids, att, pos, resp, mask, plen, TEMPERATURE, 8)
+
+
+def test_a_logged_only_entropy_has_no_graph_and_the_same_values():
+    policy = _policy("lora")
+    policy.train(False)
+    ids, att, pos, resp, mask, plen = _rows()
+    with_grad = policy.score(ids, att, pos, resp, mask, plen, TEMPERATURE, 4, with_entropy=True)
+    logged = policy.score(ids, att, pos, resp, mask, plen, TEMPERATURE, 4, with_entropy=True, entropy_grad=False)
+    assert with_grad.entropy.requires_grad and not logged.entropy.requires_grad
+    assert logged.logprobs.requires_grad
+    torch.testing.assert_close(logged.entropy, with_grad.entropy.detach(), rtol=0, atol=0)

@@ -308,3 +308,11 @@ def test_micro_batches_sized_by_tokens_change_no_gradient():
     for a, b in zip(whole, budget):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
     assert m_budget["ppo/policy_loss"] == pytest.approx(m_whole["ppo/policy_loss"], rel=1e-5)
+
+
+def test_an_entropy_bonus_reaches_the_gradient():
+    # entropy_coef 0: the entropy is only logged (computed without a graph); > 0 it must move the step
+    plain, m_plain, _ = _first_step_grads(8)
+    bonus, m_bonus, _ = _first_step_grads(8, None, "ppo.entropy_coef=0.5")
+    assert m_bonus["ppo/entropy"] == pytest.approx(m_plain["ppo/entropy"], rel=1e-6)
+    assert max(float((a - b).abs().max()) for a, b in zip(plain, bonus)) > 1e-6

@@ -236,7 +236,7 @@ class PPOConfig:
     micro_batch_tokens: Optional[int] = None
     # response tokens per LM-head chunk when computing logprobs/entropies from the hidden states
     # (models/token_scores.py): bounds the float32 logits alive at once to chunk x vocabulary; >= 1
-    logit_chunk_tokens: int = 4096
+    logit_chunk_tokens: int = 2048
     # none | bfloat16: bf16 autocast of the trainer's forwards (matmuls in bf16, the weights stay in
     # model.dtype). With model.dtype=float32 the fp32 weights are their own master copy (the GPU
     # recipe: fp32 master weights, bf16 compute); with model.dtype=bfloat16 the forwards already run in

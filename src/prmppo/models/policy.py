@@ -144,14 +144,16 @@ def _causal_lm(model: nn.Module) -> nn.Module:
 
 
 def _score(lm: nn.Module, value_head, input_ids, attention_mask, position_ids, response_ids, response_mask,
-           prompt_length: int, temperature: float, chunk_tokens: int, with_entropy: bool) -> TokenScores:
+           prompt_length: int, temperature: float, chunk_tokens: int, with_entropy: bool,
+           entropy_grad: bool = True) -> TokenScores:
     """One pass of the decoder, then the LM head on the response positions a chunk at a time."""
     hidden = lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               use_cache=False).last_hidden_state  # [b, P + T, H] after the final norm
     width = response_ids.shape[1]
     # the hidden state that predicts response token t sits at position P - 1 + t
     logprobs, entropy = token_scores(lm.get_output_embeddings(), hidden[:, prompt_length - 1:prompt_length - 1 + width],
-                                     response_ids, response_mask, temperature, chunk_tokens, with_entropy)
+                                     response_ids, response_mask, temperature, chunk_tokens, with_entropy,
+                                     entropy_grad)
     return TokenScores(logprobs, entropy, None if value_head is None else value_head(hidden))
 
 
@@ -161,10 +163,12 @@ class _PolicyBase:
     _checkpointed_layers: tuple[nn.Module, ...] = ()  # set by enable_gradient_checkpointing
 
     def score(self, input_ids, attention_mask, position_ids, response_ids, response_mask, prompt_length: int,
-              temperature: float, chunk_tokens: int, with_entropy: bool = False) -> TokenScores:
-        """The policy's logprobs (entropies) of the response tokens and its values, without full logits."""
+              temperature: float, chunk_tokens: int, with_entropy: bool = False,
+              entropy_grad: bool = True) -> TokenScores:
+        """The policy's logprobs (entropies: with a gradient when `entropy_grad`) of the response tokens
+        and its values, without full logits."""
         return _score(_causal_lm(self.model), self.value_head, input_ids, attention_mask, position_ids, response_ids,
-                      response_mask, prompt_length, temperature, chunk_tokens, with_entropy)
+                      response_mask, prompt_length, temperature, chunk_tokens, with_entropy, entropy_grad)
 
     def enable_gradient_checkpointing(self) -> None:
         """Recompute each decoder layer's activations in backward (transformers' own checkpointing,

@@ -21,20 +21,24 @@ from prmppo.ppo import maths
 
 
 def _chunk_scores(head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float,
-                  with_entropy: bool) -> torch.Tensor:
+                  with_entropy: bool, entropy_grad: bool) -> torch.Tensor:
     """[n, H] hidden states -> [n, 2] (logprob of `tokens` [n], entropy or 0) under softmax(head(h) / T)."""
     # upcast before the temperature, as the engines do: bf16 logits / T round differently
     logits = head(hidden).float() / temperature  # [n, V]
     logprobs = maths.logprobs_from_logits(logits, tokens)  # [n]
-    entropy = maths.entropy_from_logits(logits) if with_entropy else torch.zeros_like(logprobs)  # [n]
+    if not with_entropy:
+        return torch.stack([logprobs, torch.zeros_like(logprobs)], dim=-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):  # a logged-only entropy: no graph
+        entropy = maths.entropy_from_logits(logits)  # [n]
     return torch.stack([logprobs, entropy], dim=-1)
 
 
 def token_scores(head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor,
-                 temperature: float, chunk_tokens: int, with_entropy: bool = False
+                 temperature: float, chunk_tokens: int, with_entropy: bool = False, entropy_grad: bool = True
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs [b, T] of `tokens` [b, T] predicted from `hidden` [b, T, H] through the LM `head`, and
-    their entropies [b, T] (None unless `with_entropy`); 0 where `mask` [b, T] is 0.
+    their entropies [b, T] (None unless `with_entropy`; without a gradient unless `entropy_grad`, for
+    an entropy that is only logged); 0 where `mask` [b, T] is 0.
 
     `head` is the model's output-embedding module (tied or not, LoRA-wrapped or not), called as the
     model calls it. Gradients reach `hidden` and the head's trainable parameters exactly as through
@@ -51,9 +55,11 @@ def token_scores(head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, ma
     parts = []
     for h, t in zip(picked_hidden.split(chunk_tokens), picked_tokens.split(chunk_tokens)):
         if recompute:  # keep only the chunk's hidden states for backward; the logits are rebuilt there
-            parts.append(checkpoint(_chunk_scores, head, h, t, temperature, with_entropy, use_reentrant=False))
+            parts.append(checkpoint(_chunk_scores, head, h, t, temperature, with_entropy, entropy_grad,
+                                    use_reentrant=False))
         else:
-            parts.append(_chunk_scores(head, h, t, temperature, with_entropy))
+            parts.append(_chunk_scores(head, h, t, temperature, with_entropy, entropy_grad))
     scores = torch.cat(parts) if parts else hidden.new_zeros((0, 2), dtype=torch.float32)  # [n, 2]
     out = hidden.new_zeros((*tokens.shape, 2), dtype=torch.float32).masked_scatter(where[..., None], scores)
-    return out[..., 0], (out[..., 1] if with_entropy else None)  # [b, T] each
+    entropy = (out[..., 1] if entropy_grad else out[..., 1].detach()) if with_entropy else None
+    return out[..., 0], entropy  # [b, T] each

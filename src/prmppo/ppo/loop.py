@@ -269,7 +269,7 @@ class PPOTrainer:
         with self._precision():
             scored = self.policy.score(mb.input_ids, mb.attention_mask, mb.position_ids, mb.response_ids,
                                        mb.response_mask, mb.prompt_length, ppo.temperature, ppo.logit_chunk_tokens,
-                                       with_entropy=train_policy)
+                                       with_entropy=train_policy, entropy_grad=ppo.entropy_coef != 0)
         plen, width = mb.prompt_length, mb.response_ids.shape[1]
         counts = dict(global_token_count=tokens, global_seq_count=seqs, norm_length=float(ppo.max_new_tokens))
         loss, stats = 0.0, {}
