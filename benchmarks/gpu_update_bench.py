@@ -29,6 +29,8 @@ under LoRA, counts the frozen weights' gradients that are never computed (the ex
 is nearer 4N), so it flatters no path. Peak: the GPU's dense bf16 tensor throughput, from
 `PEAK_BF16_TFLOPS` by `torch.cuda.get_device_name` or `--peak-tflops`. Memory:
 `torch.cuda.max_memory_allocated` over the path's updates (model, optimizer and activations).
+First ratio dev: max |ratio - 1| on the warm-up update's first micro-batch, where the policy has not
+moved: what the ratio tripwire (`ppo.max_first_ratio_dev`, 1e-3) sees from kernel noise alone.
 """
 
 from __future__ import annotations
@@ -287,7 +289,9 @@ def run_path(path: str, args, rollout) -> dict:
         torch.cuda.reset_peak_memory_stats()
     forwards = [_timed(lambda: trainer._forward_no_grad(rollout), args.device) for _ in range(args.repeats)]
     train = _train_batch(trainer, rollout, torch.device(args.device))
-    trainer.update(train, iteration=0)  # warm-up: allocator, kernels, optimizer state
+    # warm-up (allocator, kernels, optimizer state); its first minibatch runs the unchanged policy, so
+    # its ratio to the old logprobs is the ratio tripwire's noise floor in this dtype (should be ~0)
+    ratio_dev = trainer.update(train, iteration=0)["ppo/first_minibatch_ratio_dev"]
     updates = [_timed(lambda: trainer.update(train, iteration=0), args.device) for _ in range(args.repeats)]
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     del trainer, policy, train
@@ -295,7 +299,7 @@ def run_path(path: str, args, rollout) -> dict:
     if cuda:
         torch.cuda.empty_cache()
     return {"update_s": statistics.median(updates), "forwards_s": statistics.median(forwards), "peak_gib": peak,
-            "n_params": n_params}
+            "n_params": n_params, "ratio_dev": ratio_dev}
 
 
 def report(args, results: dict, tokens: int, padded: int) -> None:
@@ -312,13 +316,14 @@ def report(args, results: dict, tokens: int, padded: int) -> None:
           f"{args.new_tokens} tokens; {tokens} real tokens per update of {padded} padded "
           f"({100 * (1 - tokens / padded):.0f}% padding); minibatch {args.minibatch_rows} rows, micro-batch "
           f"{args.micro_batch_rows} rows{micro_tokens}; medians of {args.repeats}")
-    print("| path | update s | update tok/s | MFU (6N) | no-grad forwards s | peak GiB |")
-    print("|---|---|---|---|---|---|")
+    print("| path | update s | update tok/s | MFU (6N) | no-grad forwards s | peak GiB | first ratio dev |")
+    print("|---|---|---|---|---|---|---|")
     for path, r in results.items():
         rate = tokens / r["update_s"]
         mfu = f"{100 * 6 * n_params * rate / (peak * 1e12):.1f}%" if peak else "n/a"
         mem = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "n/a"
-        print(f"| {path} | {r['update_s']:.3f} | {rate:,.0f} | {mfu} | {r['forwards_s']:.3f} | {mem} |")
+        print(f"| {path} | {r['update_s']:.3f} | {rate:,.0f} | {mfu} | {r['forwards_s']:.3f} | {mem} | "
+              f"{r['ratio_dev']:.2g} |")
     if set(results) == {"old", "new"}:
         old, new = results["old"], results["new"]
         mem = (f", peak memory {new['peak_gib'] / old['peak_gib']:.2f}x" if new["peak_gib"] is not None else "")
