@@ -9,6 +9,11 @@ Forward passes run on micro-batches of rows of similar length (`length_buckets`)
 columns some row of it uses (`trim_columns`, `TrainBatch.trimmed`), so no compute is spent on
 columns that are padding in every row. The losses divide by explicit minibatch counts, so which
 rows share a micro-batch changes no loss and no gradient.
+
+`plan_update` fixes, once per iteration, which rows form each minibatch and micro-batch of every
+epoch. The no-grad pass that makes the old logprobs runs the first epoch's micro-batches of that
+plan: a GPU kernel's rounding depends on the shapes it runs (rows, width, logit chunk), so the old
+logprobs equal the first minibatch's logprobs to the bit only when both passes run the same ones.
 """
 
 from __future__ import annotations
@@ -104,6 +109,41 @@ def length_buckets(attention_mask: Tensor, response_mask: Tensor, rows_per_bucke
         widest_prompt, widest_response = max(widest_prompt, prompt), max(widest_response, response)
     buckets.append(current)
     return [torch.tensor(rows, dtype=torch.long, device=order.device) for rows in buckets if rows]
+
+
+@dataclass(frozen=True)
+class Minibatch:
+    """One optimizer step's rows and how they are grouped into micro-batches."""
+
+    rows: Tensor  # [m] row indices into the iteration's batch, in the update's (shuffled) order
+    micro_batches: tuple[Tensor, ...]  # [b] row indices into the iteration's batch: `rows` regrouped
+
+
+@dataclass(frozen=True)
+class UpdatePlan:
+    """Every epoch's minibatches, in the order the update runs them."""
+
+    epochs: tuple[tuple[Minibatch, ...], ...]
+
+    def first_epoch_micro_batches(self) -> list[Tensor]:
+        """The micro-batches of epoch 0, in order: each row of the batch exactly once."""
+        return [micro for minibatch in self.epochs[0] for micro in minibatch.micro_batches]
+
+
+def plan_update(attention_mask: Tensor, response_mask: Tensor, epochs: int, minibatch_rows: int,
+                micro_batch_rows: int, micro_batch_tokens: int | None, generator: torch.Generator) -> UpdatePlan:
+    """A fresh permutation of the rows per epoch, cut into minibatches of `minibatch_rows`, each split
+    into `length_buckets` by `response_mask` [B, T] (the update's: dropped rows carry no token).
+    Indices live on the CPU whatever device the masks are on."""
+    attention_mask, response_mask = attention_mask.cpu(), response_mask.cpu()
+    planned = []
+    for _ in range(epochs):
+        perm = torch.randperm(attention_mask.shape[0], generator=generator)  # [B]
+        planned.append(tuple(
+            Minibatch(rows, tuple(rows[micro] for micro in length_buckets(
+                attention_mask[rows], response_mask[rows], micro_batch_rows, micro_batch_tokens)))
+            for rows in perm.split(minibatch_rows)))
+    return UpdatePlan(tuple(planned))
 
 
 def collate(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_token_id: int

@@ -5,7 +5,9 @@ One iteration (`PPOTrainer.iteration`) reads like the algorithm:
               with the weights it was last synced to; prompts cycle through a seeded permutation of
               the RL prompts (the task's `train` split, or a pass-rate band of it: stages/band.py);
   2. score    outcome verifier + the arm's reward object -> reward terms [B, T] (rewards/terms.py);
-  3. assemble policy / reference logprobs and values with no grad; the in-reward KL;
+  3. assemble policy / reference logprobs and values with no grad, in the micro-batches the update's
+              first epoch will run (`plan`: the same rows, widths and logit chunks, so the first
+              minibatch's ratio is exactly 1 in any dtype); the in-reward KL;
   4. advantages: GAE with decoupled lambdas (lam_actor for advantages, lam_critic for targets;
               rows cut at max_new_tokens bootstrap from the value at the cut), or a group
               baseline (rloo / grpo) that compares each reward term step with step against the
@@ -47,7 +49,8 @@ from prmppo.errors import PrmppoError
 from prmppo.guards.tripwires import SkipBudget
 from prmppo.logger.console import progress
 from prmppo.ppo import maths
-from prmppo.ppo.batch import RolloutBatch, TrainBatch, collate, length_buckets, pad_floats, trim_columns
+from prmppo.ppo.batch import (Minibatch, RolloutBatch, TrainBatch, UpdatePlan, collate, length_buckets, pad_floats,
+                              plan_update, trim_columns)
 from prmppo.ppo.optim import MasterWeights, adamw
 from prmppo.ppo.sync import WeightSync
 from prmppo.rewards.kl import kl_estimate
@@ -169,7 +172,8 @@ class PPOTrainer:
         """Mean |engine - trainer| logprob per response token while both hold the same weights: the
         noise floor of this run's dtype and kernels, measured on a few train prompts."""
         batch = self.sample(0, prompts=self.prompts[:n_prompts], n_samples=1, request_id="engine-gap-probe")
-        old_lp, _, _, _ = self._forward_no_grad(batch)
+        old_lp, _, _, _ = self._forward_no_grad(batch, self._length_bucketed(batch, torch.arange(len(batch))),
+                                                batch.response_mask)
         return float(maths.masked_mean((batch.engine_logprobs.to(self.device) - old_lp).abs(),
                                        batch.response_mask.to(self.device)))
 
@@ -179,42 +183,81 @@ class PPOTrainer:
         model.dtype, so fp32 weights are their own master copy), else the weights' own dtype."""
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.ppo.autocast == "bfloat16")
 
+    def plan(self, batch: RolloutBatch, iteration: int) -> UpdatePlan:
+        """This iteration's minibatches and micro-batches (seeded by the run's seed and the iteration),
+        made once and used by both the no-grad pass of step 3 and the update of step 5."""
+        keep, _ = self._kept_rows(batch)
+        return self._plan_from_masks(batch.attention_mask, batch.response_mask * keep.cpu()[:, None], iteration)
+
+    def _plan_from_masks(self, attention_mask, update_mask, iteration: int) -> UpdatePlan:
+        ppo = self.ppo
+        generator = torch.Generator().manual_seed(self.seed * 7919 + iteration)
+        return plan_update(attention_mask, update_mask, ppo.ppo_epochs, ppo.minibatch_rows, ppo.micro_batch_rows,
+                           ppo.micro_batch_tokens, generator)
+
     @torch.no_grad()
-    def _forward_no_grad(self, batch: RolloutBatch):
-        """(old logprobs, reference logprobs, values, value after each row's last token), all [B, T] / [B];
-        0 past each row's response. Rows run in length buckets, each cut to the columns it uses."""
+    def _forward_no_grad(self, batch: RolloutBatch, micro_batches: list[torch.Tensor], response_mask: torch.Tensor):
+        """(old logprobs, reference logprobs, values, value after each row's last token), all [B, T] / [B],
+        for the rows of `micro_batches` (row index tensors; other rows stay 0). Each micro-batch is cut to
+        the columns `response_mask` [B, T] uses (`trim_columns`) and scored at its tokens, exactly as the
+        update cuts and scores a micro-batch of a TrainBatch with that mask. The reference logprobs run
+        in the same micro-batches (they only enter the KL terms, so any grouping would do)."""
         dev, ppo = self.device, self.ppo
         old_lp = torch.zeros(batch.response_ids.shape, device=dev)  # [B, T]
         ref_lp, values = torch.zeros_like(old_lp), torch.zeros_like(old_lp)  # [B, T]
         after = torch.zeros(len(batch), device=dev)  # [B]
         self.policy.train(False)
-        for rows in length_buckets(batch.attention_mask, batch.response_mask, ppo.micro_batch_rows,
-                                   ppo.micro_batch_tokens):
-            columns, width, plen = trim_columns(batch.attention_mask[rows], batch.response_mask[rows],
-                                                batch.prompt_length)
+        for rows in micro_batches:
+            columns, width, plen = trim_columns(batch.attention_mask[rows], response_mask[rows], batch.prompt_length)
             ids, att, pos = (t[rows][:, columns].to(dev) for t in (batch.input_ids, batch.attention_mask,
                                                                   batch.position_ids))
-            response_ids, response_mask = (t[rows, :width].to(dev) for t in (batch.response_ids, batch.response_mask))
+            response_ids, micro_mask = (t[rows, :width].to(dev) for t in (batch.response_ids, response_mask))
             with self._precision():
-                scored = self.policy.score(ids, att, pos, response_ids, response_mask, plen, ppo.temperature,
+                scored = self.policy.score(ids, att, pos, response_ids, micro_mask, plen, ppo.temperature,
                                            ppo.logit_chunk_tokens)
-                ref = self.policy.reference_score(ids, att, pos, response_ids, response_mask, plen, ppo.temperature,
+                ref = self.policy.reference_score(ids, att, pos, response_ids, micro_mask, plen, ppo.temperature,
                                                   ppo.logit_chunk_tokens)
             rows = rows.to(dev)
             old_lp[rows, :width], ref_lp[rows, :width] = scored.logprobs, ref
             if scored.values is not None:
                 values[rows, :width] = scored.values[:, plen - 1:plen - 1 + width]  # V(s_t): before response token t
-                lengths = response_mask.sum(-1).long()  # [b]
+                lengths = micro_mask.sum(-1).long()  # [b]
                 after[rows] = scored.values.gather(1, (plen - 1 + lengths)[:, None]).squeeze(1)  # after the last token
         critic = self.policy.value_head is not None
         return old_lp, ref_lp, values if critic else None, after if critic else None
 
+    def _length_bucketed(self, batch: RolloutBatch, rows: torch.Tensor) -> list[torch.Tensor]:
+        """`rows` [r] of `batch` in length buckets (row indices into `batch`)."""
+        buckets = length_buckets(batch.attention_mask[rows], batch.response_mask[rows], self.ppo.micro_batch_rows,
+                                 self.ppo.micro_batch_tokens)
+        return [rows[bucket] for bucket in buckets]
+
+    def _old_and_reference(self, batch: RolloutBatch, plan: UpdatePlan, keep: torch.Tensor):
+        """`_forward_no_grad` over every row. The rows the update learns from run in exactly the
+        micro-batches of the update's first epoch (same rows, order, trimmed widths and logit chunks),
+        so the first minibatch's ratio is 1 to the bit whatever shape-dependent rounding the kernels
+        do (`ppo/first_minibatch_ratio_dev`). The rows of dropped groups (`keep` [B] 0), which only enter
+        the KL metrics and the critic's return statistics, run afterwards in their own length buckets."""
+        kept = keep.cpu().bool()  # [B]
+        update_mask = batch.response_mask * kept[:, None]  # [B, T] as the update will see it
+        micro_batches = [rows for rows in plan.first_epoch_micro_batches() if kept[rows].any()]
+        scores = self._forward_no_grad(batch, micro_batches, update_mask)
+        dropped = (~kept).nonzero().squeeze(1)  # [d]
+        if not len(dropped):
+            return scores
+        rest = self._forward_no_grad(batch, self._length_bucketed(batch, dropped), batch.response_mask)
+        is_dropped = (~kept).to(self.device)
+        return tuple(None if a is None else torch.where(is_dropped.view(-1, *[1] * (a.dim() - 1)), b, a)
+                     for a, b in zip(scores, rest))
+
     @torch.no_grad()
-    def assemble(self, batch: RolloutBatch, rewards) -> tuple[TrainBatch, dict]:
+    def assemble(self, batch: RolloutBatch, rewards, plan: UpdatePlan) -> tuple[TrainBatch, dict]:
+        """The TrainBatch of this iteration: old and reference logprobs and values from a no-grad pass over
+        `plan`'s first-epoch micro-batches (the plan the update will run), rewards, advantages."""
         ppo, dev = self.ppo, self.device
-        old_lp, ref_lp, values, after = self._forward_no_grad(batch)
-        mask = batch.response_mask.to(dev)
         keep, metrics = self._kept_rows(batch)  # [B]
+        old_lp, ref_lp, values, after = self._old_and_reference(batch, plan, keep)
+        mask = batch.response_mask.to(dev)
         kl = kl_estimate(old_lp, ref_lp, ppo.kl_estimator) * mask  # [B, T]
         kl_rewards = -ppo.kl_coef * kl  # [B, T] the in-reward KL, its own term
         total = rewards.total.to(dev) + kl_rewards  # [B, T]
@@ -294,22 +337,23 @@ class PPOTrainer:
                           **{f"ppo/{k}": v for k, v in pstats._asdict().items()}})
         return loss, stats
 
-    def update(self, train: TrainBatch, iteration: int) -> dict:
+    def update(self, train: TrainBatch, iteration: int, plan: UpdatePlan | None = None) -> dict:
+        """ppo_epochs over `plan`'s minibatches (None: the plan `self.plan` gives for this iteration,
+        made here from `train`'s masks)."""
         ppo, shape = self.ppo, self.shape
         train_policy = iteration >= ppo.value_warmup_iterations
-        generator = torch.Generator().manual_seed(self.seed * 7919 + iteration)
+        if plan is None:
+            plan = self._plan_from_masks(train.attention_mask, train.response_mask, iteration)
         self.policy.train(False)  # dropout off, as when the old logprobs were taken: ratio 1 before any step
         sums: dict[str, float] = {}
         micro_count, steps, empty = 0, [], 0
         first_ratio = None
         bar = progress(total=ppo.ppo_epochs * shape.minibatches_per_epoch, desc="update", unit="step",
                        enabled=self.show_progress, leave=False)
-        for epoch in range(ppo.ppo_epochs):
-            perm = torch.randperm(shape.rows_per_iteration, generator=generator)
-            for mb_rows in perm.split(ppo.minibatch_rows):
-                minibatch = train.rows(mb_rows.to(train.input_ids.device))
-                if minibatch.response_mask.any():
-                    ran, ratio = self._accumulate(minibatch, train_policy, sums)
+        for epoch in plan.epochs:
+            for minibatch in epoch:
+                if train.response_mask[minibatch.rows.to(train.input_ids.device)].any():
+                    ran, ratio = self._accumulate(train, minibatch, train_policy, sums)
                     micro_count += ran
                     first_ratio = first_ratio or ratio
                     steps.append(self._step(train_policy))
@@ -322,16 +366,17 @@ class PPOTrainer:
             log.info("ppo iteration %d: every group was dropped (all right or all wrong): no update", iteration)
         return self._update_metrics(sums, steps, micro_count, first_ratio, empty)
 
-    def _accumulate(self, minibatch: TrainBatch, train_policy: bool, sums: dict) -> tuple[int, tuple | None]:
+    def _accumulate(self, train: TrainBatch, minibatch: Minibatch, train_policy: bool, sums: dict
+                    ) -> tuple[int, tuple | None]:
         """Backward every micro-batch of `minibatch` that holds a response token, adding their statistics
         to `sums`; returns (micro-batches run, (ratio min, ratio max) of the first one when training the policy)."""
-        device = minibatch.input_ids.device
-        tokens = float(minibatch.response_mask.sum())
-        seqs = float((minibatch.response_mask.sum(-1) > 0).sum())
+        device = train.input_ids.device
+        response_mask = train.response_mask[minibatch.rows.to(device)]  # [m, T]
+        tokens = float(response_mask.sum())
+        seqs = float((response_mask.sum(-1) > 0).sum())
         ran, ratio = 0, None
-        for micro in length_buckets(minibatch.attention_mask, minibatch.response_mask, self.ppo.micro_batch_rows,
-                                    self.ppo.micro_batch_tokens):
-            part = minibatch.rows(micro.to(device)).trimmed()  # rows of similar length, no all-padding column
+        for micro in minibatch.micro_batches:
+            part = train.rows(micro.to(device)).trimmed()  # rows of similar length, no all-padding column
             if not part.response_mask.any():  # only rows of dropped groups
                 continue
             loss, stats = self._micro_loss(part, tokens, seqs, train_policy)
@@ -411,9 +456,10 @@ class PPOTrainer:
         with _timer(times, "perf/score_s"):
             rewards, reward_metrics = self.reward(batch)  # 2
         with _timer(times, "perf/assemble_s"):
-            train, assemble_metrics = self.assemble(batch, rewards)  # 3, 4
+            plan = self.plan(batch, iteration)  # the update's micro-batches, which the no-grad pass runs too
+            train, assemble_metrics = self.assemble(batch, rewards, plan)  # 3, 4
         with _timer(times, "perf/update_s"):
-            update_metrics = self.update(train, iteration)  # 5
+            update_metrics = self.update(train, iteration, plan)  # 5
         with _timer(times, "perf/sync_s"):
             synced = self.sync.maybe_sync(self.policy, iteration)  # 6
         lengths = batch.response_mask.sum(-1)
