@@ -6,14 +6,16 @@
     PYTHONPATH=src python benchmarks/gpu_update_bench.py --model models/qwen2-0.5b-shape --lora
     # CPU smoke check of the code paths (seconds):
     PYTHONPATH=src python benchmarks/gpu_update_bench.py --shape tiny-qwen2 --rows 8 --lora
+    PYTHONPATH=src python benchmarks/gpu_update_bench.py --lora --paths new --profile  # where the time goes
 
 What runs: `PPOTrainer.update` from ppo/loop.py on the real policy classes of models/policy.py
 (`LoraPolicy` or `FullPolicy`), on a synthetic rollout of the issue's shape: `--rows` responses
 (64 prompts x 4 samples) after prompts of ~`--prompt-tokens` tokens (uniform in +-20%), responses
 uniform in [`--min-new-tokens`, `--new-tokens`] (set both equal for all-full-length rows), random
 token ids, random advantages, `ppo.advantage_estimator=rloo` (no critic; `--critic` for gae). The
-no-grad forwards that make the old and reference logprobs (`_forward_no_grad`, step 3 of the
-loop) are timed too. One untimed warm-up update, then `--repeats` timed ones.
+no-grad forwards that make the old and reference logprobs (`_old_and_reference`, step 3 of the
+loop, over the update's plan) are timed too. `--profile` prints torch.profiler's top-20 ops of
+one more new-path update. One untimed warm-up update, then `--repeats` timed ones.
 
 Two paths, fresh model and optimizer each, same data:
 - `new`: the code as it is (chunked LM-head logprobs, length-bucketed micro-batches cut to their
@@ -76,6 +78,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--paths", default="old,new", help="which paths to run, in this order")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="override the device's bf16 peak")
+    parser.add_argument("--profile", action="store_true",
+                        help="print torch.profiler's top-20 ops (by CUDA time) of one more new-path update")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
@@ -186,7 +190,7 @@ def make_old_path_trainer():
             return maths.logprobs_from_logits(scaled, response_ids)  # [b, T]
 
         @torch.no_grad()
-        def _forward_no_grad(self, batch):
+        def _old_and_reference(self, batch, plan, keep):  # noqa: ARG002 - the old pass had no plan
             dev, plen, width = self.device, batch.prompt_length, batch.response_ids.shape[1]
             old_lp, ref_lp, values, after = [], [], [], []
             self.policy.train(False)
@@ -230,7 +234,8 @@ def make_old_path_trainer():
                               **{f"ppo/{k}": v for k, v in pstats._asdict().items()}})
             return loss, stats
 
-        def _accumulate(self, minibatch, train_policy, sums):
+        def _accumulate(self, train, minibatch, train_policy, sums):
+            minibatch = train.rows(minibatch.rows.to(train.input_ids.device))
             tokens = float(minibatch.response_mask.sum())
             seqs = float((minibatch.response_mask.sum(-1) > 0).sum())
             ran, ratio = 0, None
@@ -261,11 +266,16 @@ def _timed(fn, device: str) -> float:
     return time.perf_counter() - start
 
 
-def _train_batch(trainer, rollout, device: torch.device):
+def _no_grad_pass(trainer, rollout, plan):
+    """Step 3's forwards: old and reference logprobs and values of every row, over `plan`."""
+    return trainer._old_and_reference(rollout, plan, torch.ones(len(rollout)))
+
+
+def _train_batch(trainer, rollout, plan, device: torch.device):
     """The TrainBatch the update reads: the trainer's own old/reference logprobs, random advantages."""
     from prmppo.ppo.batch import TrainBatch
 
-    old_lp, ref_lp, values, _ = trainer._forward_no_grad(rollout)
+    old_lp, ref_lp, values, _ = _no_grad_pass(trainer, rollout, plan)
     mask = rollout.response_mask.to(device)  # [B, T]
     g = torch.Generator().manual_seed(1)
     advantages = torch.randn(mask.shape, generator=g).to(device) * mask
@@ -287,12 +297,16 @@ def run_path(path: str, args, rollout) -> dict:
                   ppo=ppo_config(args, path), logger=None, device=torch.device(args.device), seed=0)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    forwards = [_timed(lambda: trainer._forward_no_grad(rollout), args.device) for _ in range(args.repeats)]
-    train = _train_batch(trainer, rollout, torch.device(args.device))
+    plan = trainer.plan(rollout, 0)  # the micro-batches the no-grad pass and the update share
+    forwards = [_timed(lambda: _no_grad_pass(trainer, rollout, plan), args.device) for _ in range(args.repeats)]
+    train = _train_batch(trainer, rollout, plan, torch.device(args.device))
     # warm-up (allocator, kernels, optimizer state); its first minibatch runs the unchanged policy, so
-    # its ratio to the old logprobs is the ratio tripwire's noise floor in this dtype (should be ~0)
-    ratio_dev = trainer.update(train, iteration=0)["ppo/first_minibatch_ratio_dev"]
-    updates = [_timed(lambda: trainer.update(train, iteration=0), args.device) for _ in range(args.repeats)]
+    # its ratio to the old logprobs is the ratio tripwire's noise floor in this dtype (0 on the new path,
+    # whose no-grad pass runs the update's own micro-batches)
+    ratio_dev = trainer.update(train, 0, plan)["ppo/first_minibatch_ratio_dev"]
+    updates = [_timed(lambda: trainer.update(train, 0, plan), args.device) for _ in range(args.repeats)]
+    if args.profile and path == "new":
+        profile_update(trainer, train, plan, args.device)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     del trainer, policy, train
     gc.collect()
@@ -300,6 +314,21 @@ def run_path(path: str, args, rollout) -> dict:
         torch.cuda.empty_cache()
     return {"update_s": statistics.median(updates), "forwards_s": statistics.median(forwards), "peak_gib": peak,
             "n_params": n_params, "ratio_dev": ratio_dev}
+
+
+def profile_update(trainer, train, plan, device: str, rows: int = 20) -> None:
+    """torch.profiler's table of one more update: the top `rows` ops by device time (CPU time on CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync(device)
+    with profile(activities=activities) as prof:
+        trainer.update(train, 0, plan)
+        _sync(device)
+    sort = "cuda_time_total" if cuda else "cpu_time_total"
+    print(f"profile of one new-path update, top {rows} ops by {sort}:")
+    print(prof.key_averages().table(sort_by=sort, row_limit=rows))
 
 
 def report(args, results: dict, tokens: int, padded: int) -> None:
