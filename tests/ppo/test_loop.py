@@ -9,10 +9,11 @@ import math
 import pytest
 import torch
 from omegaconf import OmegaConf
+from peft.tuners.tuners_utils import cast_adapter_dtype
 from transformers import MistralConfig, MistralForCausalLM
 
 from conftest import compose_config
-from prmppo.models.policy import LoraPolicy
+from prmppo.models.policy import POLICY_ADAPTER, LoraPolicy
 from prmppo.ppo import maths
 from prmppo.ppo.batch import TrainBatch, collate
 from prmppo.ppo.loop import PPOTrainer
@@ -316,3 +317,48 @@ def test_an_entropy_bonus_reaches_the_gradient():
     bonus, m_bonus, _ = _first_step_grads(8, None, "ppo.entropy_coef=0.5")
     assert m_bonus["ppo/entropy"] == pytest.approx(m_plain["ppo/entropy"], rel=1e-6)
     assert max(float((a - b).abs().max()) for a, b in zip(plain, bonus)) > 1e-6
+
+
+def _lora_factors(policy) -> list[torch.nn.Parameter]:
+    return [p for name, p in policy.model.named_parameters() if "lora_" in name]
+
+
+def test_bf16_lora_runs_bf16_factors_and_steps_fp32_masters():
+    # peft upcasts a bf16 base's LoRA factors to fp32 by default; each LoRA layer then casts its bf16 input
+    # to fp32 and runs fp32 GEMMs (no tensor cores), forward and backward. The policy keeps them in bf16.
+    policy = _policy(critic=False, dtype=torch.bfloat16)
+    factors = _lora_factors(policy)
+    assert factors and all(p.dtype == torch.bfloat16 for p in factors)
+    trainer = _trainer(policy, _ppo("ppo.lr=1e-2"))
+    assert len(trainer.masters.pairs) == len(factors)  # every factor steps through an fp32 master
+    assert all(p.dtype == torch.float32 for g in trainer.policy_optimizer.param_groups for p in g["params"])
+    seen = []
+    lora_a = policy.model.get_base_model().model.layers[0].self_attn.q_proj.lora_A[POLICY_ADAPTER]
+    lora_a.register_forward_hook(lambda module, args, out: seen.append((args[0].dtype, out.dtype)))
+    grads = _policy_grads_seen(trainer)
+    trainer.update(_batch(trainer, policy), iteration=0)
+    assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16)}
+    for param, master in trainer.masters.pairs:
+        assert torch.equal(param.detach(), master.detach().to(torch.bfloat16))  # the model holds the rounded master
+
+    # the same step with the factors as peft made them before (fp32, their own masters): the gradient it
+    # steps with is the same within bf16 rounding (Adam's first step, ~lr * sign(g), would magnify the
+    # rounding of gradients near 0, so the gradients are what compares)
+    before = _policy(critic=False, dtype=torch.bfloat16)
+    cast_adapter_dtype(before.model, POLICY_ADAPTER)
+    assert all(p.dtype == torch.float32 for p in _lora_factors(before))
+    before_trainer = _trainer(before, _ppo("ppo.lr=1e-2"))
+    assert not before_trainer.masters.pairs
+    before_grads = _policy_grads_seen(before_trainer)
+    before_trainer.update(_batch(before_trainer, before), iteration=0)
+    assert len(grads[0]) == len(before_grads[0]) == len(factors)
+    assert sum(float(g.norm()) > 0 for g in before_grads[0]) == len(factors) // 2  # B's (A's are 0 while B is 0)
+    for grad, reference in zip(grads[0], before_grads[0]):
+        assert grad.dtype == torch.float32
+        assert float((grad - reference).norm()) <= 3e-2 * float(reference.norm())
+
+
+def test_an_fp32_models_lora_factors_are_fp32_without_masters():
+    policy = _policy(critic=False)
+    assert all(p.dtype == torch.float32 for p in _lora_factors(policy))
+    assert not _trainer(policy, _ppo()).masters.pairs

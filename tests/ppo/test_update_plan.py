@@ -43,7 +43,8 @@ def _rollout(outcome: list[float]) -> RolloutBatch:
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(4, 60, (int(n),), generator=g).tolist() for n in torch.randint(2, 8, (4,), generator=g)]
     prompts = [p for p in prompts for _ in range(4)]
-    responses = [torch.randint(4, 60, (int(n),), generator=g).tolist() for n in torch.randint(1, 15, (16,), generator=g)]
+    lengths = torch.randint(1, 15, (16,), generator=g)
+    responses = [torch.randint(4, 60, (int(n),), generator=g).tolist() for n in lengths]
     ids, att, pos, resp, mask, plen = collate(prompts, responses, pad_token_id=0)
     return RolloutBatch([None] * 16, [""] * 16, ["stop"] * 16, ids, att, pos, resp, mask, torch.zeros(mask.shape),
                         torch.tensor(outcome), plen)
@@ -98,6 +99,8 @@ def test_update_without_a_plan_makes_the_one_plan_would_give():
     plan = trainer.plan(batch, 5)
     train, _ = trainer.assemble(batch, OutcomeReward()(batch)[0], plan)
     again = trainer._plan_from_masks(train.attention_mask, train.response_mask, 5)
-    flat = lambda p: [(m.rows.tolist(), [r.tolist() for r in m.micro_batches]) for e in p.epochs for m in e]  # noqa: E731
+    def flat(plan):
+        return [(m.rows.tolist(), [r.tolist() for r in m.micro_batches]) for epoch in plan.epochs for m in epoch]
+
     assert flat(again) == flat(plan)
     assert flat(trainer.plan(batch, 6)) != flat(plan)  # the plan changes with the iteration

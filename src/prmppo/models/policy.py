@@ -15,6 +15,8 @@ under the reference, no grad), `forward` / `reference_logits` (full logits, for 
 tests), `enable_gradient_checkpointing`, `policy_parameters`, `value_parameters`, `save_merged`
 (an HF-layout directory of the current policy, for the checkpoint sync and for evaluation) and
 `save_adapter` (the adapter sync).
+LoRA factors are kept in the base model's dtype (bf16 GEMMs on a bf16 model; the optimizer steps
+fp32 master copies of them, ppo/optim.py).
 Both start equal to the base: LoRA's B matrices are zero at init (initialised from a seeded
 generator), so the first rollout's ratio to the reference is exactly 1.
 """
@@ -239,7 +241,11 @@ class LoraPolicy(_PolicyBase):
                             modules_to_save=modules_to_save or None, bias="none", task_type="CAUSAL_LM")
         with torch.random.fork_rng(devices=[]):  # peft draws LoRA A from the global generator
             torch.manual_seed(init_seed)
-            self.model = get_peft_model(base_model, config, adapter_name=POLICY_ADAPTER)
+            # the factors in the base's dtype (peft would upcast a bf16 base's to fp32, and every LoRA layer
+            # would then cast its input to fp32 and run fp32 GEMMs, forward and backward): a bf16 model
+            # trains them through fp32 master copies (ppo/optim.py MasterWeights); an fp32 model is unchanged
+            self.model = get_peft_model(base_model, config, adapter_name=POLICY_ADAPTER,
+                                        autocast_adapter_dtype=False)
         self.modules_to_save_lr = modules_to_save_lr
         self.lora_rank = r  # what an engine serving the adapter must reserve
         self.value_head = _value_head(base_model, detach_value_hidden, critic)

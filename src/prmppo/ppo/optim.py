@@ -2,7 +2,9 @@
 
 AdamW applied directly to a bf16 weight loses most small updates: bf16 keeps 8 bits of mantissa,
 so an update below ~1/256 of the weight rounds away (at lr 1e-5 most of a bf16 weight never
-changes). `MasterWeights` keeps an fp32 copy of every trainable bf16/fp16 parameter; the
+changes). `MasterWeights` keeps an fp32 copy of every trainable bf16/fp16 parameter (full
+fine-tuning's weights; under LoRA the factors and `modules_to_save`, which `LoraPolicy` keeps in
+the model's dtype so that its layers run bf16 GEMMs); the
 optimizer steps the copies and the model's parameter receives the rounded result. Parameters
 already in fp32 pass through untouched, so on an fp32 model this is a no-op.
 
