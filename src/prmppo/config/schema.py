@@ -240,7 +240,8 @@ class PPOConfig:
     # none | bfloat16: bf16 autocast of the trainer's forwards (matmuls in bf16, the weights stay in
     # model.dtype). With model.dtype=float32 the fp32 weights are their own master copy (the GPU
     # recipe: fp32 master weights, bf16 compute); with model.dtype=bfloat16 the forwards already run in
-    # bf16 and fp32 masters are kept beside the weights (ppo/optim.py), so autocast changes little.
+    # bf16 and fp32 masters are kept beside the weights (ppo/optim.py; LoRA factors included, which stay
+    # in model.dtype), so autocast changes little.
     # Logprobs, entropies, the losses and the critic stay fp32 either way. Meant for CUDA (on CPU it runs, slowly)
     autocast: str = "none"
     # recompute each decoder layer's activations in backward (transformers' checkpointing): less
@@ -302,7 +303,9 @@ class PPOConfig:
     # checkpoints kept (newest and pinned ones are never pruned)
     keep_checkpoints: int = 2
     # ratio tripwire (alarms, see guards/tripwires.py): max |ratio - 1| on an iteration's first
-    # minibatch, where the policy is unchanged (dimensionless; fp32 noise is ~1e-6); > 0
+    # minibatch, where the policy is unchanged (dimensionless). The old logprobs are computed on the
+    # update's own micro-batches (PPOTrainer.plan), so it is exactly 0 in any dtype unless the forward
+    # itself is not deterministic; > 0
     max_first_ratio_dev: float = 1e-3
     # max mean |engine - trainer| logprob per response token, in nats (fp32 noise is ~1e-6;
     # a skipped sync after one update is ~1e-2 and more); > 0. The limit in force is the larger
