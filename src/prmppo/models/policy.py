@@ -12,7 +12,7 @@ Both expose the same surface to the PPO loop: `score` (logprobs of the taken res
 their entropies and values, computed from the final hidden states in chunks through the LM head so
 that no [B, T, V] logit tensor exists: models/token_scores.py), `reference_score` (the same logprobs
 under the reference, no grad), `forward` / `reference_logits` (full logits, for the gates and
-tests), `enable_gradient_checkpointing`, `policy_parameters`, `value_parameters`, `save_merged`
+tests), `enable_gradient_checkpointing`, `compile_decoder_layers`, `policy_parameters`, `value_parameters`, `save_merged`
 (an HF-layout directory of the current policy, for the checkpoint sync and for evaluation) and
 `save_adapter` (the adapter sync).
 LoRA factors are kept in the base model's dtype (bf16 GEMMs on a bf16 model; the optimizer steps
@@ -187,6 +187,17 @@ class _PolicyBase:
         if not self._checkpointed_layers:
             raise ValueError(f"ppo.gradient_checkpointing: {type(lm).__name__} has no layer transformers can "
                              f"checkpoint")
+
+    def compile_decoder_layers(self) -> None:
+        """`torch.compile` each decoder layer of the policy in place (`nn.Module.compile`: parameter
+        names, state dicts and the saved checkpoints are unchanged). Micro-batch widths vary, so dynamo
+        makes the sequence length dynamic after its first recompile."""
+        layers = getattr(_causal_lm(self.model).get_decoder(), "layers", None)
+        if not isinstance(layers, nn.ModuleList) or not len(layers):
+            raise ValueError(f"ppo.compile: {type(_causal_lm(self.model)).__name__}'s decoder has no `layers` list "
+                             f"to compile (Llama, Mistral and Qwen2 have one); set ppo.compile=false")
+        for layer in layers:
+            layer.compile()
 
     def forward(self, input_ids, attention_mask, position_ids) -> tuple[torch.Tensor, torch.Tensor]:
         """Policy logits [B, L, V] and values [B, L]."""

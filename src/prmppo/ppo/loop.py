@@ -132,6 +132,8 @@ class PPOTrainer:
         self.value_optimizer = adamw(policy.value_parameters(), ppo.value_lr, ADAM_BETAS) if self.uses_critic else None
         if ppo.gradient_checkpointing:
             policy.enable_gradient_checkpointing()
+        if ppo.compile:
+            policy.compile_decoder_layers()
         self.scheduler = maths.make_scheduler(self.policy_optimizer, self.shape.policy_steps,
                                               min(ppo.warmup_steps, max(self.shape.policy_steps - 1, 0)),
                                               ppo.min_lr_ratio)
