@@ -4,9 +4,10 @@
     PYTHONPATH=src python benchmarks/gpu_update_bench.py --lora
     PYTHONPATH=src python benchmarks/gpu_update_bench.py            # full fine-tuning
     PYTHONPATH=src python benchmarks/gpu_update_bench.py --model models/qwen2-0.5b-shape --lora
+    PYTHONPATH=src python benchmarks/gpu_update_bench.py --lora --paths new --profile  # where the time goes
+    PYTHONPATH=src python benchmarks/gpu_update_bench.py --lora --compile            # compiled layers
     # CPU smoke check of the code paths (seconds):
     PYTHONPATH=src python benchmarks/gpu_update_bench.py --shape tiny-qwen2 --rows 8 --lora
-    PYTHONPATH=src python benchmarks/gpu_update_bench.py --lora --paths new --profile  # where the time goes
 
 What runs: `PPOTrainer.update` from ppo/loop.py on the real policy classes of models/policy.py
 (`LoraPolicy` or `FullPolicy`), on a synthetic rollout of the issue's shape: `--rows` responses
@@ -19,7 +20,8 @@ one more new-path update. One untimed warm-up update, then `--repeats` timed one
 
 Two paths, fresh model and optimizer each, same data:
 - `new`: the code as it is (chunked LM-head logprobs, length-bucketed micro-batches cut to their
-  longest row, fused AdamW on CUDA, `--autocast` / `--gradient-checkpointing` as given);
+  longest row, fused AdamW on CUDA, `--autocast` / `--gradient-checkpointing` / `--compile` as
+  given; with `--compile` the untimed warm-up update pays the compilation);
 - `old`: the loop's pre-issue-16 micro-batch code, kept here as `OldPathTrainer` (full [B, T, V]
   float32 logits, micro-batches of the full padded width, unfused AdamW) and nothing else changed.
 
@@ -63,6 +65,7 @@ def parse_args() -> argparse.Namespace:
                         help="model.dtype; default bfloat16 on a GPU, float32 on CPU (where bf16 matmuls crawl)")
     parser.add_argument("--autocast", default="none", choices=["none", "bfloat16"], help="ppo.autocast (new path)")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="ppo.gradient_checkpointing (new)")
+    parser.add_argument("--compile", action="store_true", help="ppo.compile: compiled decoder layers (new path)")
     parser.add_argument("--lora", action="store_true", help="LoRA r=16 on every linear layer; else full fine-tuning")
     parser.add_argument("--critic", action="store_true", help="gae with a value head; else rloo")
     parser.add_argument("--rows", type=int, default=256, help="responses per update (prompts x samples)")
@@ -146,7 +149,8 @@ def ppo_config(args, path: str):
                      max_new_tokens=args.new_tokens, advantage_estimator="gae" if args.critic else "rloo",
                      logit_chunk_tokens=args.logit_chunk_tokens, autocast=args.autocast if new else "none",
                      micro_batch_tokens=(args.micro_batch_tokens or None) if new else None,
-                     gradient_checkpointing=args.gradient_checkpointing and new, warmup_steps=0, lr=1e-6,
+                     gradient_checkpointing=args.gradient_checkpointing and new, compile=args.compile and new,
+                     warmup_steps=0, lr=1e-6,
                      max_skipped_fraction=1.0, max_consecutive_skipped_steps=1000)
 
 
@@ -340,7 +344,8 @@ def report(args, results: dict, tokens: int, padded: int) -> None:
     print(f"model: {args.model or args.shape}, N = {n_params / 1e6:.1f}M parameters (base model, embeddings "
           f"included, tied head once); {'LoRA r=16, all linear layers' if args.lora else 'full fine-tuning'}; "
           f"model.dtype={args.dtype}, ppo.autocast={args.autocast} (new path), "
-          f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'} (new path)")
+          f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}, ppo.compile="
+          f"{str(args.compile).lower()} (new path)")
     print(f"rollout: {args.rows} rows, prompts ~{args.prompt_tokens} tokens, responses {args.min_new_tokens}-"
           f"{args.new_tokens} tokens; {tokens} real tokens per update of {padded} padded "
           f"({100 * (1 - tokens / padded):.0f}% padding); minibatch {args.minibatch_rows} rows, micro-batch "
