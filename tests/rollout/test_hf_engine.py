@@ -205,3 +205,16 @@ def test_refuses_out_of_vocab_prompt_and_bad_dtype(engine, base_dir):
         generate(engine, prompts=[[1], [40]])
     with pytest.raises(ValueError, match="dtype='fp32' is invalid"):
         HFEngine(base_dir, dtype="fp32")
+
+
+def test_a_bf16_engine_serves_adapters_in_bf16(base_dir, tmp_path):
+    # peft would upcast the factors to fp32 (fp32 GEMMs in every LoRA layer of every decode step);
+    # the trainer's bf16 policy computes them in bf16, and so does the engine
+    engine = HFEngine(base_dir, dtype="bfloat16")
+    for version, seed in enumerate((1, 2), start=1):  # the first load wraps the model, later ones add to it
+        make_adapter(base_dir, tmp_path / f"a{seed}", seed=seed)
+        engine.load_weights(WeightsSpec("adapter", str(tmp_path / f"a{seed}"), version))
+        factors = [p for name, p in engine.model.named_parameters() if "lora_" in name]
+        assert factors and {p.dtype for p in factors} == {torch.bfloat16}
+        tokens, logprobs, _ = generate(engine, seed=3)
+        assert all(len(row) for row in tokens) and all(torch.isfinite(torch.tensor(row)).all() for row in logprobs)

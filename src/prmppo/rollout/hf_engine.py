@@ -181,12 +181,16 @@ class HFEngine:
         self._adapter_loads += 1
         name = f"sync{self._adapter_loads}"  # fresh per load: the same version may be re-sent
         if self._adapter_name is None:
+            # the factors in the served dtype, as the trainer's policy holds them (peft would upcast a
+            # bf16 model's to fp32 and run every LoRA layer's GEMMs in fp32)
             self._model = PeftModel.from_pretrained(
-                self._model, str(adapter_dir), adapter_name=name, is_trainable=False
+                self._model, str(adapter_dir), adapter_name=name, is_trainable=False,
+                autocast_adapter_dtype=False,
             )
         else:
             previous = self._adapter_name
-            self._model.load_adapter(str(adapter_dir), adapter_name=name, is_trainable=False)
+            self._model.load_adapter(str(adapter_dir), adapter_name=name, is_trainable=False,
+                                     autocast_adapter_dtype=False)
             self._model.set_adapter(name)
             self._model.delete_adapter(previous)
         self._adapter_name = name
