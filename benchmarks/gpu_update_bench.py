@@ -23,7 +23,8 @@ Two paths, fresh model and optimizer each, same data:
   longest row, fused AdamW on CUDA, `--autocast` / `--gradient-checkpointing` / `--compile` as
   given; with `--compile` the untimed warm-up update pays the compilation);
 - `old`: the loop's pre-issue-16 micro-batch code, kept here as `OldPathTrainer` (full [B, T, V]
-  float32 logits, micro-batches of the full padded width, unfused AdamW) and nothing else changed.
+  float32 logits, micro-batches of the full padded width, unfused AdamW; LoRA factors in fp32 on a
+  bf16 base, as peft upcast them) and nothing else changed.
 
 Figures: tokens/s = real (non-padding) prompt + response tokens per update / update seconds
 (median of the repeats); MFU = 6 * N * tokens/s / peak, with N = every parameter of the base
@@ -126,16 +127,22 @@ def load_base(args):
     return Qwen2ForCausalLM(config).to(getattr(torch, args.dtype)).to(args.device).eval()
 
 
-def build_policy(args):
-    """(policy, N): the policy and the base model's parameter count (shared tensors once, LoRA excluded)."""
-    from prmppo.models.policy import FullPolicy, LoraPolicy
+def build_policy(args, path: str):
+    """(policy, N): the policy and the base model's parameter count (shared tensors once, LoRA excluded).
+    The old path's LoRA factors are fp32 on any base, as peft made them before (fp32 LoRA GEMMs)."""
+    from peft.tuners.tuners_utils import cast_adapter_dtype
+
+    from prmppo.models.policy import POLICY_ADAPTER, FullPolicy, LoraPolicy
 
     base = load_base(args)
     n_params = sum(p.numel() for p in base.parameters())  # before any adapter joins it
     if args.lora:
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        return LoraPolicy(base, detach_value_hidden=True, critic=args.critic, r=16, alpha=32, dropout=0.0,
-                          target_modules=targets, modules_to_save=[]), n_params
+        policy = LoraPolicy(base, detach_value_hidden=True, critic=args.critic, r=16, alpha=32, dropout=0.0,
+                            target_modules=targets, modules_to_save=[])
+        if path == "old":
+            cast_adapter_dtype(policy.model, POLICY_ADAPTER)
+        return policy, n_params
     return FullPolicy(base, detach_value_hidden=True, critic=args.critic), n_params
 
 
@@ -295,7 +302,7 @@ def run_path(path: str, args, rollout) -> dict:
     from prmppo.ppo.loop import PPOTrainer
 
     cuda = args.device.startswith("cuda")
-    policy, n_params = build_policy(args)
+    policy, n_params = build_policy(args, path)
     cls = make_old_path_trainer() if path == "old" else PPOTrainer
     trainer = cls(policy=policy, tokenizer=None, task=_Task(), reward=None, engine=None, sync=None,
                   ppo=ppo_config(args, path), logger=None, device=torch.device(args.device), seed=0)
