@@ -58,7 +58,8 @@ TWO_UNIFORM = [1., 1., 1., 1.] + [1., 0., 0., 1.] + [0., 0., 0., 0.] + [0., 1., 
 @pytest.mark.parametrize("outcome, overrides", [
     (MIXED, ()), (TWO_UNIFORM, ("ppo.drop_uniform_groups=true",)),
     (MIXED, ("ppo.advantage_estimator=gae", "ppo.micro_batch_tokens=24")),
-], ids=["rloo", "dropped_groups", "gae_token_budget"])
+    (MIXED, ("ppo.gradient_checkpointing=true", "ppo.autocast=bfloat16")),
+], ids=["rloo", "dropped_groups", "gae_token_budget", "checkpointing_autocast"])
 def test_first_minibatch_ratio_is_exactly_one(dtype, outcome, overrides):
     trainer = _trainer(_ppo(*overrides), dtype)
     batch = _rollout(outcome)
