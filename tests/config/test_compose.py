@@ -123,6 +123,9 @@ def test_schema_rejects_at_compose_time(override, fragment):
     # k1's gradient on the policy's own samples is zero in expectation: a KL loss that does nothing
     (["ppo.kl_loss_coef=0.1", "ppo.kl_loss_estimator=k1"], ["ppo.kl_loss_estimator=k1", "use k2 or k3"]),
     (["ppo.kl_loss_coef=-1"], ["ppo.kl_loss_coef=-1", ">= 0"]),
+    (["ppo.autocast=float16"], ["ppo.autocast='float16'", "none, bfloat16"]),
+    (["ppo.logit_chunk_tokens=0"], ["ppo.logit_chunk_tokens=0", "> 0"]),
+    (["ppo.micro_batch_tokens=-5"], ["ppo.micro_batch_tokens=-5", "> 0"]),
     (["ppo.advantage_estimator=rloo", "ppo.value_warmup_iterations=2"],
      ["ppo.value_warmup_iterations=2 warms up a critic", "uses none"]),
 ])

@@ -193,8 +193,10 @@ class HFEngine:
         originals = dict(self._model.named_parameters())
         names = {id(parameter): name for name, parameter in originals.items()}
         self._merged = True  # from here on the base may change; _use_base restores it
+        # the factors in the served dtype, as the trainer's policy holds them (peft would upcast a bf16
+        # model's to fp32), so the merged weights are the trainer's merged checkpoint's
         peft_model = PeftModel.from_pretrained(self._model, str(adapter_dir), adapter_name="sync",
-                                               is_trainable=False)
+                                               is_trainable=False, autocast_adapter_dtype=False)
         with torch.no_grad():
             for parameter in adapter_base_parameters(peft_model):
                 name = names[id(parameter)]
