@@ -52,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lora-r", type=int, default=8)
     parser.add_argument("--kl", type=float, default=0.01, help="prmppo ppo.kl_coef and TRL beta (>0: both run a reference pass)")
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--gradient-checkpointing", default="off", choices=["on", "off"],
+                        help="both sides: ppo.gradient_checkpointing / GRPOConfig.gradient_checkpointing "
+                             "(TRL's own default is on)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--sides", default="prmppo,trl")
     parser.add_argument("--out", default="runs/trl_compare", help="run directories and figures.json go here")
@@ -84,6 +87,7 @@ def prmppo_overrides(args, run_dir: Path) -> list[str]:
         f"ppo.minibatch_rows={args.minibatch_rows}", f"ppo.micro_batch_rows={args.micro_rows}",
         f"ppo.kl_coef={args.kl}", f"ppo.lr={args.lr}", "eval.every=0", f"hydra.run.dir={run_dir.resolve()}",
         f"artifacts_dir={(run_dir / 'artifacts').resolve()}",
+        f"ppo.gradient_checkpointing={args.gradient_checkpointing == 'on'}",
     ]
 
 
@@ -137,7 +141,7 @@ def run_trl(args, run_dir: Path) -> dict:
         temperature=1.0, top_p=1.0, beta=args.kl, learning_rate=args.lr, num_iterations=1,
         bf16=args.device == "cuda", use_cpu=args.device == "cpu", use_vllm=False, logging_steps=1,
         report_to="none", save_strategy="no", remove_unused_columns=False, shuffle_dataset=False,
-        dataloader_num_workers=0, seed=0)
+        dataloader_num_workers=0, seed=0, gradient_checkpointing=args.gradient_checkpointing == "on")
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
@@ -216,7 +220,8 @@ def main(argv=None) -> int:
     results = {side: one_side(args, side, out) for side in args.sides.split(",")}
     shape = f"{args.prompts} prompts x {args.group} completions x {args.new_tokens} new tokens"
     print(f"\nGPU: {gpu}; {shape}; LoRA r {args.lora_r}; optimizer steps of {args.minibatch_rows} rows, "
-          f"micro-batches of {args.micro_rows}; {args.iterations - 1} timed iterations each")
+          f"micro-batches of {args.micro_rows}; gradient checkpointing {args.gradient_checkpointing}; "
+          f"{args.iterations - 1} timed iterations each")
     print("| side | iteration s (median) | generation s | update s | peak GPU memory GiB |")
     print("|---|---|---|---|---|")
     for side, fig in results.items():
