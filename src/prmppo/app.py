@@ -22,6 +22,7 @@ from transformers.utils import logging as hf_logging
 from prmppo.config.validate import validate_config
 from prmppo.dist.launch import check_launch
 from prmppo.stages import STAGES
+from prmppo.stages.common import record_start
 
 log = logging.getLogger("prmppo")
 
@@ -36,5 +37,6 @@ def run(cfg: DictConfig) -> dict:
     hf_logging.set_verbosity_error()
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    record_start(run_dir, cfg.topology.train_device)  # run_info.json: start time and hardware, for reports
     log.info("stage %s, run dir %s", cfg.stage.name, run_dir)
     return stage(cfg, run_dir)

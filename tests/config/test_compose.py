@@ -111,6 +111,7 @@ def test_schema_rejects_at_compose_time(override, fragment):
     (["rollout=vllm", "rollout.sync=adapter"], ["lora.modules_to_save=['model.norm'] with rollout=vllm",
                                                  "rollout.sync=checkpoint or lora.modules_to_save=[]"]),
     (["lora.modules_to_save_lr=0"], ["lora.modules_to_save_lr=0", "> 0"]),
+    (["rollout.decode=fast"], ["rollout.decode='fast'", "static_eager"]),
     (["rollout=vllm", "rollout.gpu_memory_utilization=1.5"], ["rollout.gpu_memory_utilization=1.5", "(0, 1]"]),
     (["arm=prm", "reward.transform=cube"], ["reward.transform='cube'", "min_form"]),
     (["ppo.max_engine_logprob_gap=0"], ["ppo.max_engine_logprob_gap=0", "> 0"]),
@@ -125,6 +126,9 @@ def test_schema_rejects_at_compose_time(override, fragment):
     # k1's gradient on the policy's own samples is zero in expectation: a KL loss that does nothing
     (["ppo.kl_loss_coef=0.1", "ppo.kl_loss_estimator=k1"], ["ppo.kl_loss_estimator=k1", "use k2 or k3"]),
     (["ppo.kl_loss_coef=-1"], ["ppo.kl_loss_coef=-1", ">= 0"]),
+    (["ppo.autocast=float16"], ["ppo.autocast='float16'", "none, bfloat16"]),
+    (["ppo.logit_chunk_tokens=0"], ["ppo.logit_chunk_tokens=0", "> 0"]),
+    (["ppo.micro_batch_tokens=-5"], ["ppo.micro_batch_tokens=-5", "> 0"]),
     (["ppo.advantage_estimator=rloo", "ppo.value_warmup_iterations=2"],
      ["ppo.value_warmup_iterations=2 warms up a critic", "uses none"]),
 ])

@@ -22,10 +22,17 @@ try:
 except LaunchError as err:
     seen["refused"] = str(err)
 else:
-    rows = ranks.local_rows(5)  # 5 rows on 2 ranks: 3 and 2
-    local = torch.stack([rows.float(), 10 * rows.float()], dim=1)  # [b_r, 2]
-    seen["local_rows"] = rows.tolist()
-    seen["gathered"] = ranks.gather_rows(local, 5).tolist()
+    # 3 micro-batches of 5 rows on 2 ranks: rank 0 takes the first and third, rank 1 the second and an idle turn
+    dealt = ranks.deal([torch.tensor([4, 0]), torch.tensor([1, 3]), torch.tensor([2])])
+    seen["dealt"] = [None if rows is None else rows.tolist() for rows in dealt]
+    filled = torch.zeros(5, 2)  # [5, 2] this rank's rows filled, the others 0
+    for rows in dealt:
+        if rows is not None:
+            filled[rows] = torch.stack([rows.float(), 10 * rows.float()], dim=1)
+    seen["gathered"] = ranks.sum_rows(filled).tolist()
+    idle = []
+    ranks.idle_pass(lambda: idle.append(rank))
+    seen["idle_ran"] = idle
     seen["sums"] = ranks.sum_floats({"b": float(rank + 1), "a": 0.5})
     seen["from_main"] = ranks.from_main(lambda: {"made_on": rank})
     seen["any"] = [ranks.any(rank == 1), ranks.any(False)]

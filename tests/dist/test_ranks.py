@@ -1,6 +1,6 @@
-"""`TorchRanks` on two CPU processes (gloo, torchrun): the rows each rank runs, gathers back in row order,
-sums, the batch from rank 0, agreement on a stop, and the refusals of ranks given different run dirs or
-different starting weights."""
+"""`TorchRanks` on two CPU processes (gloo, torchrun): the micro-batches dealt to each rank, their rows
+gathered back, sums, the batch from rank 0, agreement on a stop, and the refusals of ranks given
+different run dirs or different starting weights."""
 
 from __future__ import annotations
 
@@ -32,9 +32,10 @@ def test_torch_ranks_split_gather_and_sum(tmp_path):
     proc = torchrun([str(WORKER), str(tmp_path), run_dir, run_dir], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     zero, one = _seen(tmp_path)
-    assert zero["local_rows"] == [0, 1, 2] and one["local_rows"] == [3, 4]  # contiguous, rank 0 first
+    assert zero["dealt"] == [[4, 0], [2]] and one["dealt"] == [[1, 3], None]  # in turn; every rank 2 turns
     whole = [[float(i), 10.0 * i] for i in range(5)]
-    assert zero["gathered"] == one["gathered"] == whole  # uneven blocks come back in row order
+    assert zero["gathered"] == one["gathered"] == whole  # disjoint rows summed: every row, in row order
+    assert zero["idle_ran"] == [0] and one["idle_ran"] == [1]  # an idle turn still runs its passes
     assert zero["sums"] == one["sums"] == {"a": 1.0, "b": 3.0}
     assert zero["from_main"] == one["from_main"] == {"made_on": 0}
     assert zero["any"] == one["any"] == [True, False]

@@ -157,3 +157,27 @@ def test_label_token_must_be_one_known_token(tok):
         label_token_id(tok, "ok", "prm_train.good_token")  # two characters: two tokens
     with pytest.raises(ValueError, match="prm_train.head='linear' is not one of classifier, label_tokens"):
         make_head("linear", 32, tok)
+
+
+def test_a_prm_loads_beside_a_bf16_policys_bf16_adapter(tok, tmp_path):
+    # the policy keeps its LoRA factors in the model's dtype; the PRM adapter peft loads beside them
+    # (upcast to fp32, as the standalone PRM has it) still scores as the standalone PRM does
+    standalone = new_prm(_model(tok).to(torch.bfloat16), r=4, alpha=8, target_modules=TARGETS, init_seed=0)
+    head = make_head("classifier", 32, tok)
+    _perturb([p for p in standalone.parameters() if p.requires_grad] + list(head.parameters()))
+    save_prm(tmp_path / "prm", standalone, head)
+    rows = _rows(tok)
+    expected, _ = _scorer(standalone, head, tok).score(rows)
+
+    policy = LoraPolicy(_model(tok).to(torch.bfloat16), detach_value_hidden=True, critic=False, r=4, alpha=8,
+                        target_modules=TARGETS)
+    _perturb(policy.policy_parameters(), seed=2)
+    logits_before, _ = policy.forward(rows.input_ids, rows.attention_mask, rows.position_ids)
+    shared, shared_head = load_prm(tmp_path / "prm", policy.model, tok)
+    scores, ends = _scorer(shared, shared_head, tok).score(rows)
+    assert torch.allclose(scores, expected, atol=1e-2)
+    assert (scores[ends] - 0.5).abs().max() > 5e-2  # a non-trivial PRM
+    assert {p.dtype for p in policy.policy_parameters()} == {torch.bfloat16}
+    assert policy.model.active_adapter == "policy"
+    logits_after, _ = policy.forward(rows.input_ids, rows.attention_mask, rows.position_ids)
+    assert torch.equal(logits_before, logits_after)

@@ -71,7 +71,7 @@ def test_assemble_masks_out_exactly_the_uniform_groups(reward):
     trainer = _trainer(_ppo())
     batch = _rollout([1., 1., 1., 1., 1., 0., 0., 1.])  # group 0 all right, group 1 mixed
     rewards, _ = reward(batch)
-    train, metrics = trainer.assemble(batch, rewards)
+    train, metrics = trainer.assemble(batch, rewards, trainer.plan(batch, 0))
     assert train.response_mask[:4].sum() == 0  # group 0's rows carry no token
     assert torch.equal(train.response_mask[4:], batch.response_mask[4:])
     assert metrics["ppo/dropped_groups"] == 1 and metrics["ppo/dropped_group_fraction"] == 0.5
@@ -81,7 +81,7 @@ def test_assemble_masks_out_exactly_the_uniform_groups(reward):
 def test_without_the_flag_every_group_stays():
     trainer = _trainer(_ppo("ppo.drop_uniform_groups=false"))
     batch = _rollout([1., 1., 1., 1., 1., 0., 0., 1.])
-    train, metrics = trainer.assemble(batch, OutcomeReward()(batch)[0])
+    train, metrics = trainer.assemble(batch, OutcomeReward()(batch)[0], trainer.plan(batch, 0))
     assert torch.equal(train.response_mask, batch.response_mask)
     assert "ppo/dropped_groups" not in metrics and metrics["rollout/uniform_group_fraction"] == 0.5
 
@@ -91,7 +91,7 @@ def test_the_loss_denominator_counts_only_the_kept_rows():
     # of the kept rows; the step rewards give the dropped group non-zero advantages that must not count
     trainer = _trainer(_ppo("ppo.whiten_advantages=false", "ppo.kl_coef=0"))
     batch = _rollout([0., 0., 0., 0., 1., 0., 0., 1.])  # group 0 all wrong
-    train, _ = trainer.assemble(batch, _StepNoise()(batch)[0])
+    train, _ = trainer.assemble(batch, _StepNoise()(batch)[0], trainer.plan(batch, 0))
     metrics = trainer.update(train, iteration=0)
     kept = batch.response_mask.clone()
     kept[:4] = 0
@@ -106,7 +106,7 @@ def test_an_iteration_with_every_group_dropped_updates_nothing_and_keeps_the_sch
     trainer = _trainer(_ppo("ppo.advantage_estimator=gae"))
     before = [p.detach().clone() for p in trainer.policy.policy_parameters()]
     batch = _rollout([1., 1., 1., 1., 0., 0., 0., 0.])
-    train, metrics = trainer.assemble(batch, OutcomeReward()(batch)[0])
+    train, metrics = trainer.assemble(batch, OutcomeReward()(batch)[0], trainer.plan(batch, 0))
     assert metrics["ppo/dropped_groups"] == 2
     update = trainer.update(train, iteration=0)
     assert update["ppo/update_skipped"] == 1 and update["ppo/empty_minibatches"] == 1

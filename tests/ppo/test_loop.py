@@ -4,13 +4,16 @@ fp32 master weights for half-precision parameters, and the engine-gap limit abov
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from omegaconf import OmegaConf
+from peft.tuners.tuners_utils import cast_adapter_dtype
 from transformers import MistralConfig, MistralForCausalLM
 
 from conftest import compose_config
-from prmppo.models.policy import LoraPolicy
+from prmppo.models.policy import POLICY_ADAPTER, LoraPolicy
 from prmppo.ppo import maths
 from prmppo.ppo.batch import TrainBatch, collate
 from prmppo.ppo.loop import PPOTrainer
@@ -56,9 +59,10 @@ def _batch(trainer, policy, seed: int = 0) -> TrainBatch:
     ids, att, pos, resp, mask, plen = collate(prompts, responses, pad_token_id=0)
     policy.train(False)
     with torch.no_grad():
-        logits, values = policy.forward(ids, att, pos)
-        old = trainer._response_logprobs(logits, resp, plen)
-        ref = trainer._response_logprobs(policy.reference_logits(ids, att, pos), resp, plen)
+        scored = policy.score(ids, att, pos, resp, mask, plen, trainer.ppo.temperature, 4096)
+        old = scored.logprobs
+        ref = policy.reference_score(ids, att, pos, resp, mask, plen, trainer.ppo.temperature, 4096)
+    values = scored.values
     values = torch.zeros_like(mask) if values is None else values[:, plen - 1:plen - 1 + resp.shape[1]] * mask
     advantages = torch.randn(mask.shape, generator=g) * mask
     returns = (torch.rand(mask.shape, generator=g) * 4) * mask  # returns of ~0-4, as on the default task
@@ -152,13 +156,21 @@ def test_group_estimators_report_the_critic_keys_as_inert():
 
 
 def test_logprobs_are_upcast_before_the_temperature():
-    trainer = _trainer(_policy(critic=False), _ppo("ppo.temperature=0.7"))
+    from prmppo.models.token_scores import token_scores
+
     g = torch.Generator().manual_seed(0)
-    logits = (torch.randn(2, 6, 32, generator=g) * 4).to(torch.bfloat16)
+    head = torch.nn.Linear(16, 32, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(32, 16, generator=g))
+    hidden = torch.randn(2, 5, 16, generator=g).to(torch.bfloat16)
     tokens = torch.randint(0, 32, (2, 5), generator=g)
-    expected = torch.log_softmax(logits[:, :5].float() / 0.7, -1).gather(-1, tokens[..., None]).squeeze(-1)
-    # prompt_length 1: response token t is predicted at position t
-    assert torch.allclose(trainer._response_logprobs(logits, tokens, prompt_length=1), expected, atol=1e-6)
+    logits = head(hidden)  # [2, 5, 32] bf16, as a bf16 model's head gives them
+    expected = torch.log_softmax(logits.float() / 0.7, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    tempered_in_bf16 = torch.log_softmax((logits / 0.7).float(), -1).gather(-1, tokens[..., None]).squeeze(-1)
+    assert (tempered_in_bf16 - expected).abs().max() > 1e-3  # the order matters at this size
+    with torch.no_grad():
+        got, _ = token_scores(head, hidden, tokens, torch.ones(2, 5), temperature=0.7, chunk_tokens=3)
+    assert torch.allclose(got, expected, atol=1e-6)
 
 
 def test_master_weights_keep_updates_that_bf16_rounds_away():
@@ -225,3 +237,172 @@ def test_value_head_starts_at_the_mean_return_and_keeps_predictions_when_statist
     assert float(head.return_mean) == pytest.approx(7.0)
     assert float(head.return_std) == pytest.approx(27.5 ** 0.5)
     assert torch.allclose(head(hidden), before, atol=1e-5)  # PopArt: the same predictions in new units
+
+
+def _first_step_grads(micro_batch_rows: int, spy_widths: list | None = None, *overrides: str):
+    policy = _policy(critic=True)
+    trainer = _trainer(policy, _ppo("ppo.advantage_estimator=gae", f"ppo.micro_batch_rows={micro_batch_rows}",
+                                    *overrides))
+    batch = _batch(trainer, policy)
+    if spy_widths is not None:
+        score = policy.score
+
+        def spy(input_ids, *args, **kwargs):
+            spy_widths.append(tuple(input_ids.shape))
+            return score(input_ids, *args, **kwargs)
+
+        policy.score = spy
+    seen = _policy_grads_seen(trainer)
+    metrics = trainer.update(batch, iteration=0)
+    return seen[0], metrics, batch
+
+
+def test_length_buckets_and_trimming_change_no_gradient_and_no_loss():
+    # one micro-batch of all 8 rows vs four length-sorted micro-batches of 2, each cut to its longest
+    # row: the losses divide by the minibatch's counts, so the gradient is the same sum
+    shapes: list = []
+    whole, m_whole, batch = _first_step_grads(8)
+    parts, m_parts, _ = _first_step_grads(2, shapes)
+    for a, b in zip(whole, parts):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    for key in ("ppo/policy_loss", "value/loss", "ppo/entropy"):
+        assert m_parts[key] == pytest.approx(m_whole[key], rel=1e-5)
+    # and the micro-batches did less work than the padded batch: fewer columns x rows
+    assert sum(rows * cols for rows, cols in shapes) < batch.input_ids.numel()
+    assert shapes[0][1] < batch.input_ids.shape[1]  # the shortest rows ran narrower
+
+
+def test_bf16_autocast_runs_the_forward_in_bf16_and_keeps_the_losses_fp32():
+    policy = _policy(critic=True)
+    trainer = _trainer(policy, _ppo("ppo.advantage_estimator=gae", "ppo.autocast=bfloat16"))
+    batch = _batch(trainer, policy)
+    dtypes = []
+    q_proj = policy.model.get_base_model().model.layers[0].self_attn.q_proj.base_layer
+    q_proj.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+    metrics = trainer.update(batch, iteration=0)
+    assert dtypes and set(dtypes) == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in policy.policy_parameters())  # fp32 weights: the masters
+    assert not trainer.masters.pairs and math.isfinite(metrics["ppo/policy_loss"])
+    with trainer._precision():
+        scored = policy.score(batch.input_ids, batch.attention_mask, batch.position_ids, batch.response_ids,
+                              batch.response_mask, batch.prompt_length, 1.0, 4096, with_entropy=True)
+    assert scored.logprobs.dtype == scored.entropy.dtype == scored.values.dtype == torch.float32
+
+
+def test_gradient_checkpointing_switch_keeps_the_update():
+    policy = _policy(critic=True)
+    _trainer(policy, _ppo("ppo.advantage_estimator=gae", "ppo.gradient_checkpointing=true"))
+    policy.train(False)  # as the update runs: dropout off, the decoder layers still checkpointing
+    assert policy._checkpointed_layers and all(layer.training for layer in policy._checkpointed_layers)
+    assert not policy.model.training
+    plain, _, _ = _first_step_grads(4)
+    checkpointed, _, _ = _first_step_grads(4, None, "ppo.gradient_checkpointing=true")
+    for a, b in zip(plain, checkpointed):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
+def test_micro_batches_sized_by_tokens_change_no_gradient():
+    whole, m_whole, _ = _first_step_grads(8)
+    shapes: list = []
+    budget, m_budget, _ = _first_step_grads(8, shapes, "ppo.micro_batch_tokens=20")
+    assert len(shapes) > 2  # the no-grad pass and the update split the 8 rows by the budget
+    for a, b in zip(whole, budget):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    assert m_budget["ppo/policy_loss"] == pytest.approx(m_whole["ppo/policy_loss"], rel=1e-5)
+
+
+def test_an_entropy_bonus_reaches_the_gradient():
+    # entropy_coef 0: the entropy is only logged (computed without a graph); > 0 it must move the step
+    plain, m_plain, _ = _first_step_grads(8)
+    bonus, m_bonus, _ = _first_step_grads(8, None, "ppo.entropy_coef=0.5")
+    assert m_bonus["ppo/entropy"] == pytest.approx(m_plain["ppo/entropy"], rel=1e-6)
+    assert max(float((a - b).abs().max()) for a, b in zip(plain, bonus)) > 1e-6
+
+
+def _lora_factors(policy) -> list[torch.nn.Parameter]:
+    return [p for name, p in policy.model.named_parameters() if "lora_" in name]
+
+
+def test_bf16_lora_runs_bf16_factors_and_steps_fp32_masters():
+    # peft upcasts a bf16 base's LoRA factors to fp32 by default; each LoRA layer then casts its bf16 input
+    # to fp32 and runs fp32 GEMMs (no tensor cores), forward and backward. The policy keeps them in bf16.
+    policy = _policy(critic=False, dtype=torch.bfloat16)
+    factors = _lora_factors(policy)
+    assert factors and all(p.dtype == torch.bfloat16 for p in factors)
+    trainer = _trainer(policy, _ppo("ppo.lr=1e-2"))
+    assert len(trainer.masters.pairs) == len(factors)  # every factor steps through an fp32 master
+    assert all(p.dtype == torch.float32 for g in trainer.policy_optimizer.param_groups for p in g["params"])
+    seen = []
+    lora_a = policy.model.get_base_model().model.layers[0].self_attn.q_proj.lora_A[POLICY_ADAPTER]
+    lora_a.register_forward_hook(lambda module, args, out: seen.append((args[0].dtype, out.dtype)))
+    grads = _policy_grads_seen(trainer)
+    trainer.update(_batch(trainer, policy), iteration=0)
+    assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16)}
+    for param, master in trainer.masters.pairs:
+        assert torch.equal(param.detach(), master.detach().to(torch.bfloat16))  # the model holds the rounded master
+
+    # the same step with the factors as peft made them before (fp32, their own masters): the gradient it
+    # steps with is the same within bf16 rounding (Adam's first step, ~lr * sign(g), would magnify the
+    # rounding of gradients near 0, so the gradients are what compares)
+    before = _policy(critic=False, dtype=torch.bfloat16)
+    cast_adapter_dtype(before.model, POLICY_ADAPTER)
+    assert all(p.dtype == torch.float32 for p in _lora_factors(before))
+    before_trainer = _trainer(before, _ppo("ppo.lr=1e-2"))
+    assert not before_trainer.masters.pairs
+    before_grads = _policy_grads_seen(before_trainer)
+    before_trainer.update(_batch(before_trainer, before), iteration=0)
+    assert len(grads[0]) == len(before_grads[0]) == len(factors)
+    assert sum(float(g.norm()) > 0 for g in before_grads[0]) == len(factors) // 2  # B's (A's are 0 while B is 0)
+    for grad, reference in zip(grads[0], before_grads[0]):
+        assert grad.dtype == torch.float32
+        assert float((grad - reference).norm()) <= 3e-2 * float(reference.norm())
+
+
+def test_an_fp32_models_lora_factors_are_fp32_without_masters():
+    policy = _policy(critic=False)
+    assert all(p.dtype == torch.float32 for p in _lora_factors(policy))
+    assert not _trainer(policy, _ppo()).masters.pairs
+
+
+def test_ppo_compile_compiles_each_decoder_layer_in_place():
+    policy = _policy(critic=False)
+    names = [name for name, _ in policy.model.named_parameters()]
+    _trainer(policy, _ppo("ppo.compile=true"))
+    layers = policy.model.get_base_model().model.layers
+    assert all(layer._compiled_call_impl is not None for layer in layers)
+    assert [name for name, _ in policy.model.named_parameters()] == names  # checkpoints keep their keys
+    assert policy.model.get_base_model().model.embed_tokens._compiled_call_impl is None  # layers only
+
+
+def test_ppo_compile_refuses_a_decoder_without_layers():
+    policy = _policy(critic=False)
+    policy.model.get_base_model().model.layers = torch.nn.Identity()
+    with pytest.raises(ValueError, match=r"ppo.compile: MistralForCausalLM's decoder has no `layers` list"):
+        policy.compile_decoder_layers()
+
+
+@pytest.mark.slow  # inductor compiles the layers' C++ kernels: ~1.5 min on 2 cores
+def test_compiled_layers_give_the_eager_logprobs_and_gradients():
+    policy = _policy(critic=True)
+    trainer = _trainer(policy, _ppo("ppo.advantage_estimator=gae"))
+    batch = _batch(trainer, policy)
+
+    def scores_and_grads():
+        scored = policy.score(batch.input_ids, batch.attention_mask, batch.position_ids, batch.response_ids,
+                              batch.response_mask, batch.prompt_length, 1.0, 4, with_entropy=True)
+        (scored.logprobs.sum() + scored.entropy.sum() + scored.values.sum()).backward()
+        grads = [p.grad.clone() for p in policy.policy_parameters()]
+        for p in policy.policy_parameters():
+            p.grad = None
+        return scored, grads
+
+    policy.train(False)
+    eager, eager_grads = scores_and_grads()
+    policy.compile_decoder_layers()
+    compiled, compiled_grads = scores_and_grads()
+    assert policy.model.get_base_model().model.layers[0]._compiled_call_impl is not None
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert any(float(g.abs().max()) > 0 for g in eager_grads)
+    for a, b in zip(compiled_grads, eager_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +15,11 @@ from omegaconf import OmegaConf
 from scipy import stats
 
 from conftest import compose_config
-from prmppo.report import (ReportError, difference_ci, difference_rows, find_runs, group_rows, group_runs,
-                           mean_ci, write_report)
+from prmppo.report import (HACK_METRICS, ReportError, accuracy_figure, difference_ci, difference_rows, find_runs, group_rows,
+                           group_runs, mean_ci, measures, metrics_figure, write_report)
+from prmppo.report.__main__ import main as report_main
+from prmppo.report.hacking import first_gap, hacking_section, late_means
+from prmppo.report.sweeps import find_sweeps, sweeps_section
 from prmppo.report.tables import iterations_to
 
 
@@ -38,8 +42,11 @@ def test_difference_is_paired_by_seed_or_welch():
     assert welch.half_width == pytest.approx((high - low) / 2)
 
 
-def _make_run(root: Path, name: str, overrides: list[str], finals: list[float], status: str = "ok") -> Path:
-    """A run dir as python -m prmppo writes it, with test accuracy `finals[i]` after i iterations."""
+def _make_run(root: Path, name: str, overrides: list[str], finals: list[float], status: str = "ok",
+              extra_rows: list[dict] = (), span: tuple[float, float] | None = None, host: dict | None = None) -> Path:
+    """A run dir as python -m prmppo writes it, with test accuracy `finals[i]` after i iterations (and
+    `extra_rows` appended to metrics.jsonl); `span` = (started_at, finished_at) and `host` go to
+    run_info.json and stage_result.json."""
     run_dir = root / name
     (run_dir / ".hydra").mkdir(parents=True)
     cfg = compose_config(overrides)
@@ -49,12 +56,16 @@ def _make_run(root: Path, name: str, overrides: list[str], finals: list[float], 
     OmegaConf.save({"hydra": {"runtime": {"choices": {"arm": cfg.arm.name, "reward": reward}}}},
                    run_dir / ".hydra" / "hydra.yaml")  # the group options Hydra records
     result = {"status": status, "arm": cfg.arm.name, "seed": cfg.seed}
+    if span is not None:
+        result["finished_at"] = span[1]
+        (run_dir / "run_info.json").write_text(json.dumps({"started_at": span[0], **(host or {})}))
     if status == "failed":
         result["error"] = {"message": "invalid config: ppo.lr=0 must be > 0", "type": "ConfigError"}
     (run_dir / "stage_result.json").write_text(json.dumps(result))
     rows = [{"stage": "ppo_eval", "step": max(i - 1, 0), "eval/ppo_iterations": i, "eval/test_greedy_accuracy": acc,
              "eval/test_sampled_accuracy": acc / 2} for i, acc in enumerate(finals)]
     rows += [{"stage": "ppo", "step": i, "reward/total_mean": acc} for i, acc in enumerate(finals[1:])]
+    rows += list(extra_rows)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run_dir
 
@@ -139,8 +150,13 @@ def test_report_cli_on_a_tiny_multirun_writes_plots_and_table(tiny_sweep, tmp_pa
     for name in ("accuracy.png", "rewards.png", "hacking.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (out / name).stat().st_size > 10_000
     text = (out / "report.md").read_text()
-    assert "| orm | 0,1 | 2 |" in text and "| prm | 0,1 | 2 |" in text
+    assert "| orm | ORM | 0,1 | 2 |" in text and "| prm | learned PRM | 0,1 | 2 |" in text
     assert "paired (n=2)" in text and "![accuracy.png](accuracy.png)" in text
+    assert "| learned PRM - ORM | arm=prm | arm=orm | greedy |" in text and "| pass@" in text
+    # the sweep's own record: Hydra's command line, sweep_result.json, and the runs' start/end times and host
+    assert "python -m prmppo -m stage=ppo debug=smoke" in text and "arm=prm,orm seed=0,1" in text
+    assert "- jobs: 4 ok (from sweep_result.json)" in text and "- hardware: " in text
+    assert "wall time: not recorded" not in text and "hardware: not recorded" not in text
     # the table's numbers are the runs' own: mean of the last test evaluation in each metrics.jsonl
     grouping = group_runs(find_runs([tiny_sweep]))
     for row in group_rows(grouping, 0.5):
@@ -171,3 +187,201 @@ def test_a_reward_choice_belongs_to_the_arm_and_still_pairs_with_orm(tmp_path):
     assert sorted(grouping.groups) == [("orm", "orm"), ("prm", "prm_oracle")]
     (diff,) = difference_rows(grouping)
     assert diff.prm == ("prm", "prm_oracle") and diff.difference.mean == pytest.approx(0.1)
+
+
+def test_pass_at_k_and_the_final_evaluation_are_columns_with_their_sources(tmp_path):
+    # ppo_eval rows carry pass@4; the pipeline's final evaluation (`eval` rows) greedy, sampled, pass@2 and pass@8
+    for seed, final in ((0, 0.5), (1, 0.7)):
+        during = {"stage": "ppo_eval", "step": 1, "eval/ppo_iterations": 2, "eval/test_greedy_accuracy": final,
+                  "eval/test_pass@4": final + 0.2}
+        after = {"stage": "eval", "step": 0, "eval/ppo/greedy_accuracy": final - 0.1,
+                 "eval/ppo/sampled_accuracy": final / 2, "eval/ppo/pass@2": 0.1, "eval/ppo/pass@8": final + 0.1,
+                 "eval/sft/pass@8": 0.01}
+        _make_run(tmp_path, f"r{seed}", [f"seed={seed}"], [0.3, 0.4], extra_rows=[during, after])
+    grouping = group_runs(find_runs([tmp_path]))
+    assert [m.name for m in measures(find_runs([tmp_path]))] == [
+        "greedy", "sampled", "pass@4", "final greedy", "final sampled", "final pass@8", "SFT pass@8"]
+    (row,) = group_rows(grouping, 0.5)
+    # the largest pass@k, each from its own rows: pass@4 = mean(0.7, 0.9), final pass@8 = mean(0.6, 0.8)
+    assert row.values["pass@4"].mean == pytest.approx(0.8) and row.values["final pass@8"].mean == pytest.approx(0.7)
+    assert row.values["final greedy"].mean == pytest.approx(0.5) and row.greedy.mean == pytest.approx(0.6)
+    text = write_report([tmp_path], tmp_path / "out").read_text()
+    assert "| final greedy | final sampled | final pass@8 |" in text
+    # the accuracy figure has a panel per accuracy logged during PPO, pass@4 included
+    assert [ax.get_title() for ax in accuracy_figure(grouping).axes] == [
+        "test accuracy (greedy)", "test accuracy (sampled)", "test accuracy (pass@4)"]
+    assert "`ppo_eval` rows of metrics.jsonl" in text and "as in eval.json" in text
+    assert "- `SFT ...`: the same final evaluation of the SFT policy" in text
+
+
+def test_learned_and_oracle_prm_are_each_compared_with_orm_within_one_lambda(tmp_path):
+    # three arms x GAE lambda 0.95 / 1.0 x 3 seeds, as two sweeps (arm=orm,prm and arm=prm reward=prm_oracle)
+    base = {"orm": 0.40, "prm": 0.45, "prm_oracle": 0.60}
+    arms = (("orm", ["arm=orm"]), ("prm", ["arm=prm"]), ("prm_oracle", ["arm=prm", "reward=prm_oracle"]))
+    for name, overrides in arms:
+        for lam in ("0.95", "1.0"):
+            for seed in (0, 1, 2):
+                final = base[name] + 0.1 * (lam == "1.0") + 0.02 * seed + 0.01 * seed * (name == "prm")
+                _make_run(tmp_path / ("oracle" if "oracle" in name else "main"), f"{name}-{lam}-{seed}",
+                          [*overrides, "ppo.advantage_estimator=gae", f"ppo.lam_actor={lam}", f"seed={seed}"],
+                          [0.3, final])
+    grouping = group_runs(find_runs([tmp_path]))
+    assert grouping.keys == ["ppo.lam_actor", "reward"]
+    diffs = {(d.label, d.prm[1]): d for d in difference_rows(grouping)}
+    assert set(diffs) == {(kind, lam) for kind in ("learned PRM - ORM", "oracle PRM - ORM") for lam in ("0.95", "1.0")}
+    for (label, lam), d in diffs.items():
+        assert d.orm[1] == lam and d.pairing == "paired" and d.difference.n == 3  # never across lambdas
+    # oracle - ORM: 0.20 on every seed -> no spread; learned - ORM: 0.05 + 0.01 * seed -> mean 0.06,
+    # half width t(0.975, 2) * 0.01 / sqrt(3) = 0.024841
+    assert diffs[("oracle PRM - ORM", "0.95")].difference.mean == pytest.approx(0.2)
+    learned = diffs[("learned PRM - ORM", "1.0")]
+    assert learned.difference.mean == pytest.approx(0.06)
+    assert learned.difference.half_width == pytest.approx(0.024841, abs=1e-6)
+    assert learned.excludes_zero()
+    text = write_report([tmp_path], tmp_path / "out").read_text()
+    # greedy and sampled, each for both lambdas
+    assert text.count("| learned PRM - ORM |") == 4 and text.count("| oracle PRM - ORM |") == 4
+    assert "| +0.060 | [+0.035, +0.085] | yes | paired (n=3) |" in text
+
+
+def test_a_difference_whose_interval_contains_zero_is_not_claimed(tmp_path):
+    for seed, (prm, orm) in enumerate(((0.5, 0.4), (0.4, 0.5), (0.55, 0.5))):
+        sft = [{"stage": "eval", "step": 0, "eval/sft/greedy_accuracy": 0.3 + seed / 100}]  # the arms' shared start
+        _make_run(tmp_path, f"p{seed}", ["arm=prm", f"seed={seed}"], [0.3, prm], extra_rows=sft)
+        _make_run(tmp_path, f"o{seed}", ["arm=orm", f"seed={seed}"], [0.3, orm], extra_rows=sft)
+    (diff,) = difference_rows(group_runs(find_runs([tmp_path])))
+    assert diff.label == "learned PRM - ORM" and not diff.excludes_zero()
+    text = write_report([tmp_path], tmp_path / "out").read_text()
+    assert "| no | paired (n=3) |" in text
+    # the SFT baseline is a column (0.31 on average) but never a PRM - ORM row
+    assert "| SFT greedy |" in text and "| 0.310 ± " in text and "| SFT greedy | 0." not in text
+
+
+def _multirun_record(sweep_dir: Path, task: list[str], hydra: list[str]) -> None:
+    """Hydra's multirun.yaml as far as the report reads it: the overrides of the command line."""
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save({"hydra": {"overrides": {"task": task, "hydra": hydra}}}, sweep_dir / "multirun.yaml")
+
+
+def test_each_sweep_has_its_command_statuses_wall_time_and_hardware(tmp_path):
+    sweep = tmp_path / "sweep"
+    _multirun_record(sweep, ["arm=orm", "seed=0,1", "task.rl.max_operands=6"],
+                     ["hydra.mode=MULTIRUN", "hydra.sweep.dir=multirun/a b", "hydra.sweep.subdir=${hydra.job.num}"])
+    host = {"hostname": "gpubox", "device": "NVIDIA H200", "cpu_count": 16}
+    # two jobs at once: 100-160 s and 110-220 s -> wall 120 s, job time 60 + 110 = 170 s
+    _make_run(sweep, "0", ["arm=orm", "seed=0", "task.rl.max_operands=6"], [0.3, 0.5], span=(100.0, 160.0), host=host)
+    _make_run(sweep, "1", ["arm=orm", "seed=1", "task.rl.max_operands=6"], [0.3, 0.5], span=(110.0, 220.0), host=host)
+    (sweep / "sweep_result.json").write_text(json.dumps({"jobs": [{"status": "ok"}, {"status": "ok"},
+                                                                  {"status": "failed"}]}))
+    _make_run(tmp_path, "single", ["arm=orm", "seed=2"], [0.3, 0.4])  # no run_info.json: times not recorded
+    sweeps = find_sweeps(find_runs([tmp_path]))
+    assert [s.path for s in sweeps] == [tmp_path / "single", sweep]
+    single, multi = sweeps
+    assert multi.command == ("python -m prmppo -m arm=orm seed=0,1 task.rl.max_operands=6 'hydra.sweep.dir=multirun/a b' "
+                             "'hydra.sweep.subdir=${hydra.job.num}'")  # as typed, not resolved
+    assert single.command == "python -m prmppo arm=orm seed=2"
+    assert multi.wall_seconds() == 120.0 and multi.job_seconds() == 170.0 and single.wall_seconds() is None
+    assert dict(multi.statuses) == {"ok": 2, "failed": 1} and multi.hardware() == ["gpubox: NVIDIA H200, 16 CPUs"]
+    text = "\n".join(sweeps_section(sweeps))
+    assert "- wall time: 2m 00s; job time: 2m 50s" in text and "- jobs: 1 failed, 2 ok (from sweep_result.json)" in text
+    assert "- wall time: not recorded" in text and "- hardware: not recorded" in text
+    (sweep / "multirun.yaml").write_text("hydra: [")
+    with pytest.raises(ReportError, match="multirun.yaml cannot be read"):
+        find_sweeps(find_runs([tmp_path]))
+
+
+def test_a_run_records_its_start_host_and_end(tmp_path):
+    from prmppo.stages.common import record_start, write_stage_result
+
+    record_start(tmp_path, "cpu")
+    info = json.loads((tmp_path / "run_info.json").read_text())
+    assert info["device"] == "cpu" and info["cpu_count"] >= 1 and info["hostname"] and info["started_at"] > 1.7e9
+    record_start(tmp_path, "cpu")  # a relaunch keeps the first start
+    assert json.loads((tmp_path / "run_info.json").read_text()) == info
+    write_stage_result(tmp_path, compose_config(["arm=orm"]), "ppo", {})
+    assert json.loads((tmp_path / "stage_result.json").read_text())["finished_at"] >= info["started_at"]
+
+
+def _hack_rows(gaps: list[float], score: float, repeated: float) -> list[dict]:
+    return [{"stage": "ppo", "step": i, "prm/score_mean": score, "hack/true_step_accuracy": score - gap,
+             "hack/prm_vs_true_step_gap": gap, "hack/steps_per_response": 4.0 + i, "hack/repeated_line_rate": repeated}
+            for i, gap in enumerate(gaps)]
+
+
+def test_hacking_table_reports_late_monitors_and_when_the_gap_opens(tmp_path):
+    # transform plain: the gap opens after 3 iterations on seed 0 and never on seed 1; delta: never
+    _make_run(tmp_path, "p0", ["arm=prm", "seed=0"], [0.3], extra_rows=_hack_rows([0.0, 0.05, 0.3, 0.4], 0.9, 0.2))
+    _make_run(tmp_path, "p1", ["arm=prm", "seed=1"], [0.3], extra_rows=_hack_rows([0.0, 0.0, 0.1, 0.1], 0.7, 0.4))
+    _make_run(tmp_path, "d0", ["arm=prm", "reward.transform=delta", "seed=0"], [0.3],
+              extra_rows=_hack_rows([0.0] * 4, 0.6, 0.0))
+    _make_run(tmp_path, "o0", ["arm=orm", "seed=0"], [0.3])  # no PRM monitors: not in the table
+    grouping = group_runs(find_runs([tmp_path]))
+    plain = grouping.groups[("prm", "plain")]
+    assert first_gap(plain, 0.1) == {0: 3, 1: None}  # iterations done; 0.1 itself is not above 0.1
+    # steps per response 4, 5, 6, 7 by iteration: the last 2 average 6.5
+    assert late_means(plain, "hack/steps_per_response", 2) == {0: 6.5, 1: 6.5}
+    assert late_means(plain, "hack/prm_vs_true_step_gap", 2) == {0: pytest.approx(0.35), 1: pytest.approx(0.1)}
+    lines = hacking_section(grouping, gap_threshold=0.1, window=2)
+    text = "\n".join(lines)
+    assert "first iteration with gap > 0.1" in text and "3 (1/2 seeds); s0: 3, s1: never" in text
+    assert "never (0/1); s0: never" in text and "arm=orm" not in text
+    # gap column: seeds 0.35 and 0.1 -> mean 0.225 +- t(0.975, 1) * 0.125 = 1.588
+    assert "| 0.225 ± 1.588 |" in text
+    assert "## Reward hacking" not in write_report([tmp_path / "o0"], tmp_path / "out").read_text()
+    # the hacking figure draws the PRM's score beside the true step accuracy
+    titles = [ax.get_title() for ax in metrics_figure(grouping, HACK_METRICS, "hacking").axes if ax.get_visible()]
+    assert titles[:3] == ["prm/score_mean", "hack/true_step_accuracy", "hack/prm_vs_true_step_gap"]
+
+
+def test_report_cli_writes_the_named_file_and_refuses_a_bad_name(tmp_path, capsys):
+    _make_run(tmp_path / "runs", "r", ["seed=0"], [0.3, 0.5])
+    assert report_main([str(tmp_path / "runs"), "--out", str(tmp_path / "exp"), "--name", "RESULTS.md",
+                        "--gap-threshold", "0.2"]) == 0
+    assert (tmp_path / "exp" / "RESULTS.md").read_text().startswith("# prmppo report")
+    assert report_main([str(tmp_path / "runs"), "--out", str(tmp_path / "exp"), "--name", "../x.md"]) == 2
+    assert "file name must be a plain *.md name" in capsys.readouterr().err
+
+
+def test_a_run_whose_reward_cannot_be_built_is_named(tmp_path):
+    run_dir = _make_run(tmp_path, "r", ["arm=prm", "seed=0"], [0.3, 0.5])
+    config = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    config.reward.transform = "squared"  # e.g. a run made by a version with a transform this one lacks
+    OmegaConf.save(config, run_dir / ".hydra" / "config.yaml")
+    with pytest.raises(ReportError, match=r"r/.hydra/config.yaml: its reward cannot be built .*transform='squared'"):
+        find_runs([tmp_path])
+
+
+def test_a_pipeline_run_is_read_with_the_final_evaluation_eval_json_holds(smoke_cfg):
+    from prmppo.app import run
+
+    cfg = smoke_cfg("arm=orm")
+    run(cfg)
+    run_dir = Path(cfg.run_dir)
+    (run_dir / ".hydra").mkdir()
+    OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")  # what Hydra would have written
+    final = json.loads((run_dir / "eval.json").read_text())["ppo"]
+    (row,) = group_rows(group_runs(find_runs([run_dir])), 0.5)
+    # smoke: eval.k=2 for the final evaluation, eval.during_ppo_k=2 during PPO
+    assert set(row.values) == {"greedy", "sampled", "pass@2", "final greedy", "final sampled", "final pass@2",
+                               "SFT greedy", "SFT sampled", "SFT pass@2"}
+    sft = json.loads((run_dir / "eval.json").read_text())["sft"]
+    assert row.values["SFT greedy"].mean == sft["greedy_accuracy"] and row.values["SFT pass@2"].mean == sft["pass@2"]
+    assert row.values["final pass@2"].mean == final["pass@2"]
+    assert row.values["final greedy"].mean == final["greedy_accuracy"]
+    assert row.values["final sampled"].mean == final["sampled_accuracy"]
+    (sweep,) = find_sweeps(find_runs([run_dir]))
+    assert sweep.wall_seconds() > 0 and sweep.hardware()[0].endswith(f": cpu, {os.cpu_count()} CPUs")
+
+
+def test_an_estimator_is_compared_only_with_itself(tmp_path):
+    # rloo (the default, not typed) beside GAE at lambda 0.95: lam_actor is inert for rloo, which must not
+    # let an rloo group match a GAE group
+    for arm in ("orm", "prm"):
+        for seed in (0, 1):
+            _make_run(tmp_path / "rloo", f"{arm}{seed}", [f"arm={arm}", f"seed={seed}"], [0.3, 0.5])
+            _make_run(tmp_path / "gae", f"{arm}{seed}", [f"arm={arm}", "ppo.advantage_estimator=gae",
+                                                         "ppo.lam_actor=0.95", f"seed={seed}"], [0.3, 0.4])
+    grouping = group_runs(find_runs([tmp_path]))
+    assert grouping.keys == ["ppo.advantage_estimator", "ppo.lam_actor"]
+    pairs = sorted((d.prm[1:], d.orm[1:]) for d in difference_rows(grouping))
+    assert pairs == [(("gae", "0.95"), ("gae", "0.95")), (("rloo", "-"), ("rloo", "-"))]

@@ -21,9 +21,15 @@ def _client(tmp_path, overrides):
 
 def test_client_takes_every_timeout_from_the_config(tmp_path):
     cfg, client = _client(tmp_path, ["rollout.request_timeout_s=77"])
-    assert isinstance(client, RolloutClient) and client.engine == "hf" and client.engine_options == {}
+    assert isinstance(client, RolloutClient) and client.engine == "hf"
+    assert client.engine_options == {"decode": "static"}
     assert (client.startup_timeout_s, client.request_timeout_s, client.heartbeat_timeout_s) == (
         cfg.rollout.startup_timeout_s, 77, cfg.rollout.heartbeat_timeout_s)
+
+
+def test_hf_client_passes_the_decode_loop(tmp_path):
+    _, client = _client(tmp_path, ["rollout.decode=dynamic"])
+    assert client.engine_options == {"decode": "dynamic"}
 
 
 def test_client_has_no_timeout_defaults_of_its_own(tmp_path):

@@ -143,12 +143,17 @@ def test_tiny_top_p_samples_the_argmax(engine, base_dir):
             assert torch.allclose(chosen, logits.max(dim=-1).values, atol=1e-5)
 
 
-def make_adapter(base_dir, directory, seed: int, adapter_name: str = "default"):
+def make_adapter(base_dir, directory, seed: int, adapter_name: str = "default", modules_to_save=None):
     """Save a random (non-identity) LoRA adapter; returns the peft model that made it."""
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                             modules_to_save=modules_to_save)
     model = peft.get_peft_model(base, config, adapter_name=adapter_name)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "modules_to_save" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.1)  # a trained copy differs from the base
     model.save_pretrained(directory)
     return model.eval()
 
@@ -165,28 +170,62 @@ def test_adapter_sync_changes_outputs_and_base_restores_them(base_dir, tmp_path)
         spec = WeightsSpec("adapter", str(directory), version)
         engine.load_weights(spec)
         assert engine.served_weights == spec
-        assert len(engine.model.peft_config) == 1  # the previous adapter was deleted
+        assert not any("lora_" in name for name, _ in engine.model.named_parameters())  # merged
         tokens, logprobs, _ = generate(engine, seed=3)
         assert tokens != base_out[0]
         assert_logprobs_match(peft_model, PROMPTS, 2, tokens, logprobs, temperature=0.7)
 
     engine.load_weights(WeightsSpec("base", None, 3))
+    pristine = AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True).state_dict()
+    for name, value in engine.model.state_dict().items():
+        assert torch.equal(value, pristine[name]), f"{name} is not the base's exactly"
     restored = generate(engine, seed=3)
     assert restored[0] == base_out[0] and restored[2] == base_out[2]
     flat = [torch.tensor(sum(out[1], [])) for out in (restored, base_out)]
     assert torch.allclose(flat[0], flat[1], atol=1e-6)
 
 
+def test_served_adapter_logits_equal_the_merged_checkpoint(base_dir, tmp_path):
+    engine = HFEngine(base_dir)
+    storage = [parameter.data_ptr() for parameter in engine.model.parameters()]
+    inputs = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    for version, seed in enumerate((1, 2), start=1):  # the second merge starts from the restored base
+        adapter = make_adapter(base_dir, tmp_path / f"a{seed}", seed=seed, modules_to_save=["model.norm"])
+        merged = adapter.merge_and_unload()
+        engine.load_weights(WeightsSpec("adapter", str(tmp_path / f"a{seed}"), version))
+        with torch.no_grad():
+            assert torch.allclose(engine.model(inputs).logits, merged(inputs).logits, atol=1e-6)
+        # merged in place, the saved norm included: the static decoder's buffers and graphs stay valid
+        assert [parameter.data_ptr() for parameter in engine.model.parameters()] == storage
+    engine.load_weights(WeightsSpec("base", None, 3))
+    pristine = AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True).state_dict()
+    assert all(torch.equal(value, pristine[name]) for name, value in engine.model.state_dict().items())
+
+
 def test_checkpoint_load_equals_loading_that_dir(base_dir, tmp_path):
     checkpoint_dir = save_tiny_model(tmp_path / "ckpt", seed=1)
     engine = HFEngine(base_dir)
     base_tokens = generate(engine, seed=4)[0]
+    resident, decoder = engine.model, engine._decoder
     engine.load_weights(WeightsSpec("checkpoint", checkpoint_dir, 1))
+    assert engine.model is resident and engine._decoder is decoder  # copied in place: cache and graphs kept
     synced = generate(engine, seed=4)
+    assert engine._decoder is decoder
     assert synced == generate(HFEngine(checkpoint_dir), seed=4)
     assert synced[0] != base_tokens
     engine.load_weights(WeightsSpec("base", None, 2))  # back from a checkpoint: base reloaded
     assert generate(engine, seed=4)[0] == base_tokens
+
+
+def test_checkpoint_of_another_shape_is_loaded_whole(base_dir, tmp_path):
+    torch.manual_seed(2)
+    wider = MistralForCausalLM(MistralConfig(**{**tiny_config().to_dict(), "intermediate_size": 48}))
+    wider.save_pretrained(tmp_path / "wider")
+    engine = HFEngine(base_dir)
+    resident = engine.model
+    engine.load_weights(WeightsSpec("checkpoint", str(tmp_path / "wider"), 1))
+    assert engine.model is not resident and engine.model.config.intermediate_size == 48
+    assert generate(engine, seed=4) == generate(HFEngine(str(tmp_path / "wider")), seed=4)
 
 
 def test_failed_load_serves_nothing_until_a_good_load(base_dir, tmp_path):
@@ -205,3 +244,7 @@ def test_refuses_out_of_vocab_prompt_and_bad_dtype(engine, base_dir):
         generate(engine, prompts=[[1], [40]])
     with pytest.raises(ValueError, match="dtype='fp32' is invalid"):
         HFEngine(base_dir, dtype="fp32")
+    with pytest.raises(ValueError, match="decode='fast' is invalid"):
+        HFEngine(base_dir, decode="fast")
+    with pytest.raises(ValueError, match="done_check_every=0 is invalid"):
+        HFEngine(base_dir, done_check_every=0)

@@ -169,3 +169,22 @@ def test_start_fails_fast_when_the_engine_cannot_load(tmp_path):
     assert "rollout engine 'hf' could not start: FileNotFoundError:" in message and "has no config.json" in message
     assert str(tmp_path / "worker.log") in message and "\n" not in message
     assert not client.running
+
+
+def test_launch_returns_before_the_worker_is_ready_and_entering_waits_for_it(model_dirs, tmp_path):
+    client = make_client(tmp_path, model_dirs[0])
+    start = time.monotonic()
+    client.launch()
+    launched_in = time.monotonic() - start
+    pid = client.pid
+    assert client.running and not client.spool.heartbeat.exists()  # the child is still importing torch
+    with client as ready:  # waits for the launched worker; starts no second one
+        assert ready.pid == pid and read_json(ready.spool.heartbeat, "heartbeat")["status"] == "ready"
+        assert time.monotonic() - start > launched_in
+        assert ready.generate(make_request("after-launch")).weights == BASE
+    assert client.pid is None
+
+
+def test_wait_ready_without_launch_is_refused(model_dirs, tmp_path):
+    with pytest.raises(RolloutWorkerError, match="call launch"):
+        make_client(tmp_path, model_dirs[0]).wait_ready()

@@ -39,6 +39,7 @@ def test_test_accuracy_is_logged_before_every_k_iterations_and_after_the_last(sm
     assert 0 < expected["greedy_accuracy"] < 1 and 0 < expected["sampled_accuracy"] < 1
     assert evals[0]["eval/test_greedy_accuracy"] == expected["greedy_accuracy"]
     assert evals[0]["eval/test_sampled_accuracy"] == expected["sampled_accuracy"]
+    assert evals[0]["eval/test_pass@4"] == expected["pass@4"] and all("eval/test_pass@4" in r for r in evals)
     # iteration rows are unchanged in number and carry the canary's checks
     ppo = [r for r in rows if r["stage"] == "ppo"]
     assert [r["step"] for r in ppo] == [0, 1, 2] and summary["policy_steps"] == 6

@@ -54,6 +54,11 @@ def test_ppo_smoke_engine_matches_trainer_after_sync(smoke_cfg, sync):
     assert gates["ratio_tripwire"]["measured_at_identical_weights"] < 1e-4
     assert gates["ratio_tripwire"]["limit"] == gates["ratio_tripwire"]["max_logprob_gap"] == 1e-2
     assert gates["reference"]["max_abs_logit_diff"] <= gates["reference"]["tolerance"]
+    startup = banner["startup_s"]  # where the launch's seconds went
+    laps = {"tokenizer", "policy", "reward", "reference_gate", "worker_ready", "trainer", "resume", "engine_gap_gate"}
+    assert set(startup) == laps | {"before_first_lap", "total"}
+    assert all(seconds >= 0 for seconds in startup.values())
+    assert startup["total"] >= startup["before_first_lap"] + sum(startup[lap] for lap in laps) - 0.01
     assert summary["alarms"] == []  # on-policy: no tripwire fires
     # 2 iterations x (4 prompts x 2 samples / 4 rows per minibatch) = 4 policy optimizer steps
     assert summary["policy_steps"] == summary["planned_policy_steps"] == 4

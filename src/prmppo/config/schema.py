@@ -197,6 +197,10 @@ class RolloutConfig:
     heartbeat_timeout_s: float = 60.0
     # vllm only: fraction of device memory (of RAM on CPU) the engine may reserve, in (0, 1]
     gpu_memory_utilization: float = 0.3
+    # hf only: decode loop. static (pre-allocated KV cache, finished rows dropped in buckets, CUDA
+    # graphs on CUDA) | static_eager (the same without CUDA graphs) | dynamic (the model's own growing
+    # cache, every row fed until all are done: the fallback); rollout/hf_engine.py
+    decode: str = "static"
 
 
 # --------------------------------------------------------------------------- topology
@@ -226,8 +230,32 @@ class PPOConfig:
     n_samples_per_prompt: int = 4
     # rows (responses) per optimizer step; must divide prompts_per_iteration * n_samples_per_prompt
     minibatch_rows: int = 64
-    # rows per forward/backward pass (gradient accumulation); must divide minibatch_rows
+    # rows per forward/backward pass (gradient accumulation); must divide minibatch_rows. Rows are
+    # grouped by length and each micro-batch is cut to its longest row (ppo/batch.py), which changes
+    # no loss: the losses divide by minibatch counts
     micro_batch_rows: int = 32
+    # tokens (rows x the micro-batch's trimmed width) per forward/backward pass, or null: with a value,
+    # micro-batches are sized by memory rather than by rows (short rows share one, a long row may run
+    # alone), micro_batch_rows staying the cap on rows; the maths is the same either way; > 0
+    micro_batch_tokens: Optional[int] = None
+    # response tokens per LM-head chunk when computing logprobs/entropies from the hidden states
+    # (models/token_scores.py): bounds the float32 logits alive at once to chunk x vocabulary; >= 1
+    logit_chunk_tokens: int = 2048
+    # none | bfloat16: bf16 autocast of the trainer's forwards (matmuls in bf16, the weights stay in
+    # model.dtype). With model.dtype=float32 the fp32 weights are their own master copy (the GPU
+    # recipe: fp32 master weights, bf16 compute); with model.dtype=bfloat16 the forwards already run in
+    # bf16 and fp32 masters are kept beside the weights (ppo/optim.py; LoRA factors included, which stay
+    # in model.dtype), so autocast changes little.
+    # Logprobs, entropies, the losses and the critic stay fp32 either way. Meant for CUDA (on CPU it runs, slowly)
+    autocast: str = "none"
+    # recompute each decoder layer's activations in backward (transformers' checkpointing): less
+    # memory for ~1/3 more update compute; works with LoRA and with full fine-tuning
+    gradient_checkpointing: bool = False
+    # torch.compile each decoder layer of the policy in place (inductor fuses its norms, activations and
+    # LoRA branches; embeddings, LM-head chunks and losses stay eager). The first forwards pay the
+    # compilation (and one recompile as micro-batch widths vary); meant for CUDA. The no-grad pass and
+    # the update compile separate graphs, which may round differently (ppo/first_minibatch_ratio_dev)
+    compile: bool = False
     ppo_epochs: int = 1
     # tokens
     max_new_tokens: int = 64
@@ -284,7 +312,9 @@ class PPOConfig:
     # checkpoints kept (newest and pinned ones are never pruned)
     keep_checkpoints: int = 2
     # ratio tripwire (alarms, see guards/tripwires.py): max |ratio - 1| on an iteration's first
-    # minibatch, where the policy is unchanged (dimensionless; fp32 noise is ~1e-6); > 0
+    # minibatch, where the policy is unchanged (dimensionless). The old logprobs are computed on the
+    # update's own micro-batches (PPOTrainer.plan), so it is exactly 0 in any dtype unless the forward
+    # itself is not deterministic; > 0
     max_first_ratio_dev: float = 1e-3
     # max mean |engine - trainer| logprob per response token, in nats (fp32 noise is ~1e-6;
     # a skipped sync after one update is ~1e-2 and more); > 0. The limit in force is the larger
@@ -329,12 +359,12 @@ class EvalConfig:
     # rows per generation batch
     batch_rows: int = 256
     # test evaluation during PPO (rows `stage: ppo_eval` in metrics.jsonl: `eval/test_greedy_accuracy`,
-    # `eval/test_sampled_accuracy` at `eval/ppo_iterations` done): before the first iteration,
+    # `eval/test_sampled_accuracy`, `eval/test_pass@k` at `eval/ppo_iterations` done): before the first iteration,
     # every this many iterations and after the last; 0 = off
     every: int = 10
     # the first this many `test` problems, the same ones each time; > 0
     during_ppo_problems: int = 64
-    # samples per problem at `temperature` for the sampled accuracy; 0 = greedy only
+    # samples per problem at `temperature` for the sampled accuracy and pass@k; 0 = greedy only
     during_ppo_k: int = 4
 
 

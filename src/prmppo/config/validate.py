@@ -22,8 +22,10 @@ from prmppo.errors import ConfigError
 from prmppo.models.prm import HEAD_TYPES as PRM_HEADS
 from prmppo.models.prm_labels import ESTIMATIONS, LABEL_SOURCES
 from prmppo.ppo.maths import AGG_MODES as LOSS_AGGS, GROUP_ESTIMATORS
+from prmppo.ppo.optim import AUTOCAST_MODES
 from prmppo.ppo.sync import SYNC_MODES
 from prmppo.rewards.kl import KL_ESTIMATORS
+from prmppo.rollout.hf_engine import DECODE_MODES
 
 # the valid choices below are the implementing modules' own lists; these few have no module of their own
 ADVANTAGE_ESTIMATORS = ("gae", *GROUP_ESTIMATORS)
@@ -48,7 +50,11 @@ def _positive(problems: list[str], cfg: DictConfig, section: str, *keys: str) ->
 def _check_ppo(problems: list[str], ppo: DictConfig) -> None:
     _positive(problems, ppo, "ppo", "iterations", "prompts_per_iteration", "n_samples_per_prompt",
               "minibatch_rows", "micro_batch_rows", "ppo_epochs", "max_new_tokens", "temperature",
-              "lr", "grad_clip")
+              "lr", "grad_clip", "logit_chunk_tokens")
+    _choice(problems, "ppo.autocast", ppo.autocast, AUTOCAST_MODES)
+    if ppo.micro_batch_tokens is not None and ppo.micro_batch_tokens <= 0:
+        problems.append(f"ppo.micro_batch_tokens={ppo.micro_batch_tokens} must be > 0 (or null: micro-batches "
+                        f"of ppo.micro_batch_rows rows)")
     rows = ppo.prompts_per_iteration * ppo.n_samples_per_prompt
     if ppo.minibatch_rows > 0 and rows % ppo.minibatch_rows:
         problems.append(
@@ -122,6 +128,7 @@ def _check_rest(problems: list[str], cfg: DictConfig) -> None:
     _choice(problems, "model.dtype", cfg.model.dtype, DTYPES)
     _choice(problems, "rollout.engine", cfg.rollout.engine, ENGINES)
     _choice(problems, "rollout.sync", cfg.rollout.sync, SYNC_MODES)
+    _choice(problems, "rollout.decode", cfg.rollout.decode, DECODE_MODES)
     _choice(problems, "logger.mode", cfg.logger.mode, WANDB_MODES)
     _positive(problems, cfg.rollout, "rollout", "sync_every_iterations", "startup_timeout_s",
               "request_timeout_s", "heartbeat_timeout_s")

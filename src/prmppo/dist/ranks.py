@@ -3,11 +3,16 @@
 Data layout (`TorchRanks`): rank 0 samples (it alone talks to the rollout worker) and broadcasts
 the whole batch; every rank scores it and holds the whole assembled batch, so global statistics
 (loss denominators, whitening, group baselines, PopArt return statistics) are computed from the
-same tensors on every rank, with no reduction to get wrong. The forward passes are split: each
-rank takes a contiguous block of the rows (`local_rows`), and the no-grad results are gathered
-back (`gather_rows`). Gradients of FSDP2-sharded parameters are summed by FSDP's reduce-scatter
-(`shard.py` sets a divide factor of 1: each rank's loss is already its share of the global mean);
-the replicated value head's gradients are summed here (`sum_grads`).
+same tensors on every rank, with no reduction to get wrong. The forward passes are split by the
+update's plan (`ppo/batch.py plan_update`, the same on every rank): the micro-batches of each
+minibatch are dealt to the ranks in turn (`deal`: micro-batch i to rank i % N), padded so that
+every rank takes the same number of turns; in a turn without rows a rank still runs a forward (and
+backward) whose result it discards (`idle_pass`), because FSDP's all-gathers and reduce-scatters
+must meet on every rank. The no-grad results, each rank's rows filled and the rest 0, are summed
+over the ranks (`sum_rows`): the rows are disjoint, so the sum gathers them exactly. Gradients of
+FSDP2-sharded parameters are summed by FSDP's reduce-scatter (`shard.py` sets a divide factor of
+1: each rank's loss is already its share of the global mean); the replicated value head's
+gradients are summed here (`sum_grads`).
 """
 
 from __future__ import annotations
@@ -35,10 +40,13 @@ class OneProcess:
     world_size: int = 1
     is_main: bool = True
 
-    def local_rows(self, n: int) -> torch.Tensor:
-        return torch.arange(n)
+    def deal(self, items: list) -> list:
+        return list(items)
 
-    def gather_rows(self, tensor: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    def idle_pass(self, run: Callable) -> None:
+        return None  # one process: a turn without rows is simply skipped
+
+    def sum_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
     def sum_floats(self, values: dict[str, float]) -> dict[str, float]:
@@ -68,23 +76,22 @@ class TorchRanks(OneProcess):
     world_size: int = 1
     is_main: bool = True
 
-    def _blocks(self, n: int) -> list[torch.Tensor]:
-        return list(torch.arange(n).tensor_split(self.world_size))  # contiguous, sizes differ by <= 1
+    def deal(self, items: list) -> list:
+        """This rank's turns of `items` (the micro-batches of one minibatch): item i goes to rank i % N,
+        and a rank with fewer items than the most any rank has gets None for each missing turn."""
+        turns = -(-len(items) // self.world_size)  # ceil: the turns every rank takes
+        mine = list(items[self.rank::self.world_size])
+        return mine + [None] * (turns - len(mine))
 
-    def local_rows(self, n: int) -> torch.Tensor:
-        """This rank's contiguous block of `n` rows (rank 0 the first)."""
-        return self._blocks(n)[self.rank]
+    def idle_pass(self, run: Callable) -> None:
+        """`run()` for a turn without rows: its forwards (and backward) meet the other ranks' collectives."""
+        run()
 
-    def gather_rows(self, tensor: torch.Tensor | None, n: int) -> torch.Tensor | None:
-        """Every rank's `local_rows(n)` results [b_r, ...] concatenated in rank order: [n, ...]."""
-        if tensor is None:
-            return None
-        sizes = [len(block) for block in self._blocks(n)]
-        padded = torch.zeros((max(sizes), *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-        padded[: len(tensor)] = tensor
-        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
-        dist.all_gather(parts, padded)
-        return torch.cat([part[:size] for part, size in zip(parts, sizes)])
+    def sum_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[n, ...] summed over the ranks: each rank filled its own rows and left the others 0."""
+        total = tensor.clone()
+        dist.all_reduce(total)
+        return total
 
     def sum_floats(self, values: dict[str, float]) -> dict[str, float]:
         """Each value summed over the ranks (every rank must pass the same keys)."""

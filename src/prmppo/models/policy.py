@@ -8,9 +8,15 @@ trained weights keep moving), so the reference runs it with every adapter switch
 (`adapters_off`). Either way the reference's logits are the SFT base's, whatever PRM is loaded:
 `guards.gates.check_reference` verifies this at build time.
 
-Both expose the same surface to the PPO loop: `forward` (logits + values; None without a critic), `reference_logits`,
-`policy_parameters`, `value_parameters`, `save_merged` (an HF-layout directory of the current
-policy, for the checkpoint sync and for evaluation) and `save_adapter` (the adapter sync).
+Both expose the same surface to the PPO loop: `score` (logprobs of the taken response tokens,
+their entropies and values, computed from the final hidden states in chunks through the LM head so
+that no [B, T, V] logit tensor exists: models/token_scores.py), `reference_score` (the same logprobs
+under the reference, no grad), `forward` / `reference_logits` (full logits, for the gates and
+tests), `enable_gradient_checkpointing`, `compile_decoder_layers`, `policy_parameters`, `value_parameters`, `save_merged`
+(an HF-layout directory of the current policy, for the checkpoint sync and for evaluation) and
+`save_adapter` (the adapter sync).
+LoRA factors are kept in the base model's dtype (bf16 GEMMs on a bf16 model; the optimizer steps
+fp32 master copies of them, ppo/optim.py).
 Both start equal to the base: LoRA's B matrices are zero at init (initialised from a seeded
 generator), so the first rollout's ratio to the reference is exactly 1.
 """
@@ -20,6 +26,7 @@ from __future__ import annotations
 import copy
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from peft import LoraConfig, get_peft_model
@@ -29,6 +36,7 @@ from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
 
 from prmppo.config.schema import LoraAdapterConfig
+from prmppo.models.token_scores import token_scores
 
 POLICY_ADAPTER = "policy"
 
@@ -83,7 +91,8 @@ class ValueHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, L, H] -> [B, L]
         if self.detach_hidden:
             hidden = hidden.detach()  # the critic must not move the policy's features
-        z = self.linear(hidden.float()).squeeze(-1)
+        with torch.autocast(hidden.device.type, enabled=False):  # the critic stays fp32 under ppo.autocast
+            z = self.linear(hidden.float()).squeeze(-1)
         return self.return_mean + self.return_std * z
 
     def normalise(self, values: torch.Tensor) -> torch.Tensor:
@@ -117,9 +126,78 @@ def _value_head(base_model: nn.Module, detach_hidden: bool, critic: bool) -> "Va
     return ValueHead(base_model.config.hidden_size, detach_hidden).to(next(base_model.parameters()).device)
 
 
+class TokenScores(NamedTuple):
+    """What one forward gives the PPO loop for a batch of `[prompt (P) | response (T)]` rows."""
+
+    logprobs: torch.Tensor  # [b, T] log pi(response token t | prefix), tempered; 0 off the response mask
+    entropy: torch.Tensor | None  # [b, T] entropy of that distribution (when asked for), 0 off the mask
+    values: torch.Tensor | None  # [b, P + T] value after each position (None without a critic)
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers causal LM under any peft wrapper, refused when its logits are not plain
+    `lm_head(final hidden state)` (the chunked logprobs call the head on hidden states directly)."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(lm.config, key, None) not in (None, 1, 1.0):
+            raise ValueError(f"{lm.config.model_type} applies {key}={getattr(lm.config, key)} to its logits; "
+                             f"prmppo's chunked logprobs support plain lm_head logits (Llama, Mistral, Qwen2)")
+    return lm
+
+
+def _score(lm: nn.Module, value_head, input_ids, attention_mask, position_ids, response_ids, response_mask,
+           prompt_length: int, temperature: float, chunk_tokens: int, with_entropy: bool,
+           entropy_grad: bool = True) -> TokenScores:
+    """One pass of the decoder, then the LM head on the response positions a chunk at a time."""
+    hidden = lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False).last_hidden_state  # [b, P + T, H] after the final norm
+    width = response_ids.shape[1]
+    # the hidden state that predicts response token t sits at position P - 1 + t
+    logprobs, entropy = token_scores(lm.get_output_embeddings(), hidden[:, prompt_length - 1:prompt_length - 1 + width],
+                                     response_ids, response_mask, temperature, chunk_tokens, with_entropy,
+                                     entropy_grad)
+    return TokenScores(logprobs, entropy, None if value_head is None else value_head(hidden))
+
+
 class _PolicyBase:
     model: nn.Module
     value_head: "ValueHead | None"  # None when the advantage estimator uses no critic (critic=False)
+    _checkpointed_layers: tuple[nn.Module, ...] = ()  # set by enable_gradient_checkpointing
+
+    def score(self, input_ids, attention_mask, position_ids, response_ids, response_mask, prompt_length: int,
+              temperature: float, chunk_tokens: int, with_entropy: bool = False,
+              entropy_grad: bool = True) -> TokenScores:
+        """The policy's logprobs (entropies: with a gradient when `entropy_grad`) of the response tokens
+        and its values, without full logits."""
+        return _score(_causal_lm(self.model), self.value_head, input_ids, attention_mask, position_ids, response_ids,
+                      response_mask, prompt_length, temperature, chunk_tokens, with_entropy, entropy_grad)
+
+    def enable_gradient_checkpointing(self) -> None:
+        """Recompute each decoder layer's activations in backward (transformers' own checkpointing,
+        non-reentrant). The update runs in eval mode (dropout off), and transformers checkpoints only
+        layers in training mode, so `train` marks the decoder layers themselves as training: their
+        submodules (dropout, attention) keep the mode they were given."""
+        lm = _causal_lm(self.model)
+        if hasattr(lm, "activation_checkpointing_enable"):  # transformers >= 5.x names it so
+            lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lm.enable_input_require_grads()  # frozen embeddings under LoRA: the recompute still needs a grad path
+        self._checkpointed_layers = tuple(m for m in lm.modules() if getattr(m, "gradient_checkpointing", False))
+        if not self._checkpointed_layers:
+            raise ValueError(f"ppo.gradient_checkpointing: {type(lm).__name__} has no layer transformers can "
+                             f"checkpoint")
+
+    def compile_decoder_layers(self) -> None:
+        """`torch.compile` each decoder layer of the policy in place (`nn.Module.compile`: parameter
+        names, state dicts and the saved checkpoints are unchanged). Micro-batch widths vary, so dynamo
+        makes the sequence length dynamic after its first recompile."""
+        layers = getattr(_causal_lm(self.model).get_decoder(), "layers", None)
+        if not isinstance(layers, nn.ModuleList) or not len(layers):
+            raise ValueError(f"ppo.compile: {type(_causal_lm(self.model)).__name__}'s decoder has no `layers` list "
+                             f"to compile (Llama, Mistral and Qwen2 have one); set ppo.compile=false")
+        for layer in layers:
+            layer.compile()
 
     def forward(self, input_ids, attention_mask, position_ids) -> tuple[torch.Tensor, torch.Tensor]:
         """Policy logits [B, L, V] and values [B, L]."""
@@ -133,6 +211,8 @@ class _PolicyBase:
 
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)
+        for layer in self._checkpointed_layers:
+            layer.training = True  # the layer flag only: checkpointing stays on with dropout off
         if self.value_head is not None:
             self.value_head.train(mode)
 
@@ -172,7 +252,11 @@ class LoraPolicy(_PolicyBase):
                             modules_to_save=modules_to_save or None, bias="none", task_type="CAUSAL_LM")
         with torch.random.fork_rng(devices=[]):  # peft draws LoRA A from the global generator
             torch.manual_seed(init_seed)
-            self.model = get_peft_model(base_model, config, adapter_name=POLICY_ADAPTER)
+            # the factors in the base's dtype (peft would upcast a bf16 base's to fp32, and every LoRA layer
+            # would then cast its input to fp32 and run fp32 GEMMs, forward and backward): a bf16 model
+            # trains them through fp32 master copies (ppo/optim.py MasterWeights); an fp32 model is unchanged
+            self.model = get_peft_model(base_model, config, adapter_name=POLICY_ADAPTER,
+                                        autocast_adapter_dtype=False)
         self.modules_to_save_lr = modules_to_save_lr
         self.lora_rank = r  # what an engine serving the adapter must reserve
         self.value_head = _value_head(base_model, detach_value_hidden, critic)
@@ -201,6 +285,14 @@ class LoraPolicy(_PolicyBase):
         with self.model.disable_adapter():
             return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               use_cache=False).logits
+
+    @torch.no_grad()
+    def reference_score(self, input_ids, attention_mask, position_ids, response_ids, response_mask,
+                        prompt_length: int, temperature: float, chunk_tokens: int) -> torch.Tensor:
+        """Reference logprobs [b, T] of the response tokens (the base: adapters off), without full logits."""
+        with self.model.disable_adapter():
+            return _score(_causal_lm(self.model), None, input_ids, attention_mask, position_ids, response_ids,
+                          response_mask, prompt_length, temperature, chunk_tokens, False).logprobs
 
     @torch.no_grad()
     def merged_state_dict(self) -> dict[str, torch.Tensor]:
@@ -266,6 +358,14 @@ class FullPolicy(_PolicyBase):
         with adapters_off(self.reference):
             return self.reference(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                   use_cache=False).logits
+
+    @torch.no_grad()
+    def reference_score(self, input_ids, attention_mask, position_ids, response_ids, response_mask,
+                        prompt_length: int, temperature: float, chunk_tokens: int) -> torch.Tensor:
+        """Reference logprobs [b, T] of the response tokens (the frozen copy, adapters off), without full logits."""
+        with adapters_off(self.reference):
+            return _score(_causal_lm(self.reference), None, input_ids, attention_mask, position_ids, response_ids,
+                          response_mask, prompt_length, temperature, chunk_tokens, False).logprobs
 
     def save_merged(self, out_dir: Path, tokenizer) -> Path:
         self.model.save_pretrained(out_dir)

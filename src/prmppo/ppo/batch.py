@@ -4,6 +4,16 @@ Layout: every row is `[left-padded prompt (P) | right-padded response (T)]`. Pos
 real tokens only (cumsum of the attention mask - 1), exactly as the rollout engine assigns
 them, so the trainer's recomputed logprobs match the engine's. The logits that predict response
 token t sit at sequence position P - 1 + t.
+
+Forward passes run on micro-batches of rows of similar length (`length_buckets`), each cut to the
+columns some row of it uses (`trim_columns`, `TrainBatch.trimmed`), so no compute is spent on
+columns that are padding in every row. The losses divide by explicit minibatch counts, so which
+rows share a micro-batch changes no loss and no gradient.
+
+`plan_update` fixes, once per iteration, which rows form each minibatch and micro-batch of every
+epoch. The no-grad pass that makes the old logprobs runs the first epoch's micro-batches of that
+plan: a GPU kernel's rounding depends on the shapes it runs (rows, width, logit chunk), so the old
+logprobs equal the first minibatch's logprobs to the bit only when both passes run the same ones.
 """
 
 from __future__ import annotations
@@ -56,6 +66,84 @@ class TrainBatch:
         """The sub-batch of rows `index` (a minibatch or micro-batch)."""
         picked = {f.name: getattr(self, f.name) for f in fields(self)}
         return TrainBatch(**{k: (v[index] if isinstance(v, Tensor) else v) for k, v in picked.items()})
+
+    def trimmed(self) -> "TrainBatch":
+        """The same rows without the columns that are padding in every one of them."""
+        columns, width, prompt_length = trim_columns(self.attention_mask, self.response_mask, self.prompt_length)
+        picked = {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {k: v[:, columns] if k in ("input_ids", "attention_mask", "position_ids") else v[:, :width]
+               for k, v in picked.items() if isinstance(v, Tensor)}
+        return TrainBatch(**out, prompt_length=prompt_length)
+
+
+def trim_columns(attention_mask: Tensor, response_mask: Tensor, prompt_length: int) -> tuple[slice, int, int]:
+    """(input columns to keep, response width T', prompt length P') for rows `[P | T]`: from the first
+    column any row attends to, to the end of the longest response (by `response_mask`, at least one
+    token). Column P - 1 holds every row's last prompt token, so the cut never passes it."""
+    used = attention_mask[:, :prompt_length].any(0).nonzero()  # [k, 1] prompt columns some row uses
+    start = min(int(used[0, 0]) if len(used) else prompt_length - 1, prompt_length - 1)
+    width = max(int(response_mask.sum(-1).max()) if len(response_mask) else 0, 1)
+    return slice(start, prompt_length + width), width, prompt_length - start
+
+
+def length_buckets(attention_mask: Tensor, response_mask: Tensor, rows_per_bucket: int,
+                   max_tokens: int | None = None) -> list[Tensor]:
+    """Row indices [b] in groups of at most `rows_per_bucket`, rows sorted by response then prompt
+    length so that each group's trimmed width (`trim_columns`) is close to each of its rows' lengths.
+    With `max_tokens`, a group also closes before its rows x trimmed width would pass it (a row
+    alone may: it runs by itself), so short rows share a micro-batch that long ones could not."""
+    response_lengths = response_mask.sum(-1).long()  # [B]
+    prompt_lengths = attention_mask.sum(-1).long() - response_lengths  # [B]
+    key = response_lengths * (attention_mask.shape[1] + 1) + prompt_lengths  # [B]
+    order = torch.argsort(key, stable=True)
+    if max_tokens is None:
+        return list(order.split(rows_per_bucket))
+    buckets, current, widest_prompt, widest_response = [], [], 0, 0
+    for row in order.tolist():
+        prompt, response = int(prompt_lengths[row]), max(int(response_lengths[row]), 1)
+        grown = (len(current) + 1) * (max(widest_prompt, prompt) + max(widest_response, response))
+        if current and (len(current) == rows_per_bucket or grown > max_tokens):
+            buckets.append(current)
+            current, widest_prompt, widest_response = [], 0, 0
+        current.append(row)
+        widest_prompt, widest_response = max(widest_prompt, prompt), max(widest_response, response)
+    buckets.append(current)
+    return [torch.tensor(rows, dtype=torch.long, device=order.device) for rows in buckets if rows]
+
+
+@dataclass(frozen=True)
+class Minibatch:
+    """One optimizer step's rows and how they are grouped into micro-batches."""
+
+    rows: Tensor  # [m] row indices into the iteration's batch, in the update's (shuffled) order
+    micro_batches: tuple[Tensor, ...]  # [b] row indices into the iteration's batch: `rows` regrouped
+
+
+@dataclass(frozen=True)
+class UpdatePlan:
+    """Every epoch's minibatches, in the order the update runs them."""
+
+    epochs: tuple[tuple[Minibatch, ...], ...]
+
+    def first_epoch_micro_batches(self) -> list[Tensor]:
+        """The micro-batches of epoch 0, in order: each row of the batch exactly once."""
+        return [micro for minibatch in self.epochs[0] for micro in minibatch.micro_batches]
+
+
+def plan_update(attention_mask: Tensor, response_mask: Tensor, epochs: int, minibatch_rows: int,
+                micro_batch_rows: int, micro_batch_tokens: int | None, generator: torch.Generator) -> UpdatePlan:
+    """A fresh permutation of the rows per epoch, cut into minibatches of `minibatch_rows`, each split
+    into `length_buckets` by `response_mask` [B, T] (the update's: dropped rows carry no token).
+    Indices live on the CPU whatever device the masks are on."""
+    attention_mask, response_mask = attention_mask.cpu(), response_mask.cpu()
+    planned = []
+    for _ in range(epochs):
+        perm = torch.randperm(attention_mask.shape[0], generator=generator)  # [B]
+        planned.append(tuple(
+            Minibatch(rows, tuple(rows[micro] for micro in length_buckets(
+                attention_mask[rows], response_mask[rows], micro_batch_rows, micro_batch_tokens)))
+            for rows in perm.split(minibatch_rows)))
+    return UpdatePlan(tuple(planned))
 
 
 def collate(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_token_id: int

@@ -5,14 +5,18 @@ One iteration (`PPOTrainer.iteration`) reads like the algorithm:
               with the weights it was last synced to; prompts cycle through a seeded permutation of
               the RL prompts (the task's `train` split, or a pass-rate band of it: stages/band.py);
   2. score    outcome verifier + the arm's reward object -> reward terms [B, T] (rewards/terms.py);
-  3. assemble policy / reference logprobs and values with no grad; the in-reward KL;
+  3. assemble policy / reference logprobs and values with no grad, in the micro-batches the update's
+              first epoch will run (`plan`: the same rows, widths and logit chunks, so the first
+              minibatch's ratio is exactly 1 in any dtype); the in-reward KL;
   4. advantages: GAE with decoupled lambdas (lam_actor for advantages, lam_critic for targets;
               rows cut at max_new_tokens bootstrap from the value at the cut), or a group
               baseline (rloo / grpo) that compares each reward term step with step against the
               prompt's other samples; the in-reward KL stays out of the group statistics; with
               `drop_uniform_groups`, the rows of a prompt whose samples the verifier scored all
               right or all wrong are masked out of the update (every loss and its denominators);
-  5. update   ppo_epochs over minibatches of micro-batches, clipped losses, one policy and one
+  5. update   ppo_epochs over minibatches of micro-batches (rows of similar length, each cut to its
+              longest row; logprobs from the hidden states in chunks, models/token_scores.py),
+              clipped losses, one policy and one
               value optimizer step per minibatch (only the critic during value warmup); the two
               gradients are clipped and checked for finiteness separately;
   6. sync     ship the new weights to the engine every `sync_every_iterations`; log.
@@ -21,8 +25,9 @@ The critic exists only for `advantage_estimator=gae`. Old logprobs and the updat
 dropout off, so the first minibatch's ratio is exactly 1 whatever `lora.dropout` says. Written
 for N ranks (`ranks`, dist/ranks.py; one process by default): every rank holds the whole batch, so
 loss denominators (explicit minibatch token counts), whitening and group statistics are global;
-each rank runs its block of the rows, and summing the micro-batches' gradients over the ranks gives
-the exact minibatch mean; only rank 0 talks to the rollout worker. A minibatch left without a
+each rank runs its turns of each planned minibatch's micro-batches (`ranks.deal`, in the no-grad
+pass as in the update, so every rank's first ratio is exactly 1), and summing the micro-batches'
+gradients over the ranks gives the exact minibatch mean; only rank 0 talks to the rollout worker. A minibatch left without a
 response token (all its rows dropped) takes no optimizer step but still advances the LR schedule,
 so the schedule ends where the planned policy steps end; an iteration whose every group is dropped
 updates nothing (`ppo/update_skipped`; one rank only). Simplifications: dropped groups are not
@@ -47,8 +52,9 @@ from prmppo.errors import PrmppoError
 from prmppo.guards.tripwires import SkipBudget
 from prmppo.logger.console import progress
 from prmppo.ppo import maths
-from prmppo.ppo.batch import RolloutBatch, TrainBatch, collate, pad_floats
-from prmppo.ppo.optim import MasterWeights
+from prmppo.ppo.batch import (Minibatch, RolloutBatch, TrainBatch, UpdatePlan, collate, length_buckets, pad_floats,
+                              plan_update, trim_columns)
+from prmppo.ppo.optim import MasterWeights, adamw
 from prmppo.ppo.sync import WeightSync
 from prmppo.rewards.kl import kl_estimate
 from prmppo.rollout.protocol import RolloutRequest
@@ -128,9 +134,12 @@ class PPOTrainer:
                              f"{'needs' if self.uses_critic else 'must not have'} a value head on the policy")
         self.shape = Shape.derive(ppo)
         self.masters = MasterWeights(policy.policy_param_groups(ppo.lr))
-        self.policy_optimizer = torch.optim.AdamW(self.masters.groups, lr=ppo.lr, betas=ADAM_BETAS, weight_decay=0.0)
-        self.value_optimizer = (torch.optim.AdamW(policy.value_parameters(), lr=ppo.value_lr, betas=ADAM_BETAS,
-                                                  weight_decay=0.0) if self.uses_critic else None)
+        self.policy_optimizer = adamw(self.masters.groups, ppo.lr, ADAM_BETAS)
+        self.value_optimizer = adamw(policy.value_parameters(), ppo.value_lr, ADAM_BETAS) if self.uses_critic else None
+        if ppo.gradient_checkpointing:
+            policy.enable_gradient_checkpointing()
+        if ppo.compile:
+            policy.compile_decoder_layers()
         self.scheduler = maths.make_scheduler(self.policy_optimizer, self.shape.policy_steps,
                                               min(ppo.warmup_steps, max(self.shape.policy_steps - 1, 0)),
                                               ppo.min_lr_ratio)
@@ -172,44 +181,110 @@ class PPOTrainer:
         noise floor of this run's dtype and kernels, measured on a few train prompts."""
         batch = self.ranks.from_main(lambda: self.sample(0, prompts=self.prompts[:n_prompts], n_samples=1,
                                                          request_id="engine-gap-probe"))
-        old_lp, _, _, _ = self._forward_no_grad(batch)
+        micro_batches = self.ranks.deal(self._length_bucketed(batch, torch.arange(len(batch))))
+        old_lp, _, _, _ = self._forward_no_grad(batch, micro_batches, batch.response_mask)
         return float(maths.masked_mean((batch.engine_logprobs.to(self.device) - old_lp).abs(),
                                        batch.response_mask.to(self.device)))
 
     # ------------------------------------------------------------------ 3. assemble (+ 4. advantages)
-    def _response_logprobs(self, logits: torch.Tensor, response_ids: torch.Tensor, prompt_length: int
-                           ) -> torch.Tensor:
-        width = response_ids.shape[1]
-        # upcast before the temperature, as the engines do: bf16 logits / T round differently
-        scaled = logits[:, prompt_length - 1:prompt_length - 1 + width].float() / self.ppo.temperature  # [b, T, V]
-        return maths.logprobs_from_logits(scaled, response_ids)  # [b, T]
+    def _precision(self):
+        """The forwards' precision context: bf16 autocast with `ppo.autocast=bfloat16` (weights stay in
+        model.dtype, so fp32 weights are their own master copy), else the weights' own dtype."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.ppo.autocast == "bfloat16")
+
+    def plan(self, batch: RolloutBatch, iteration: int) -> UpdatePlan:
+        """This iteration's minibatches and micro-batches (seeded by the run's seed and the iteration),
+        made once and used by both the no-grad pass of step 3 and the update of step 5."""
+        keep, _ = self._kept_rows(batch)
+        return self._plan_from_masks(batch.attention_mask, batch.response_mask * keep.cpu()[:, None], iteration)
+
+    def _plan_from_masks(self, attention_mask, update_mask, iteration: int) -> UpdatePlan:
+        ppo = self.ppo
+        generator = torch.Generator().manual_seed(self.seed * 7919 + iteration)
+        return plan_update(attention_mask, update_mask, ppo.ppo_epochs, ppo.minibatch_rows, ppo.micro_batch_rows,
+                           ppo.micro_batch_tokens, generator)
 
     @torch.no_grad()
-    def _forward_no_grad(self, batch: RolloutBatch):
-        """(old logprobs, reference logprobs, values, value after each row's last token), all [B, T] / [B]."""
-        dev, plen, width = self.device, batch.prompt_length, batch.response_ids.shape[1]
-        old_lp, ref_lp, values, after = [], [], [], []
+    def _forward_no_grad(self, batch: RolloutBatch, micro_batches: list, response_mask: torch.Tensor):
+        """(old logprobs, reference logprobs, values, value after each row's last token), all [B, T] / [B],
+        for the rows of `micro_batches` (this rank's row index tensors, from `ranks.deal`; other rows stay 0
+        here and come from the other ranks: disjoint rows, so a sum over the ranks gathers them exactly).
+        Each micro-batch is cut to the columns `response_mask` [B, T] uses (`trim_columns`) and scored at
+        its tokens, exactly as the update cuts and scores a micro-batch of a TrainBatch with that mask. The
+        reference logprobs run in the same micro-batches (they only enter the KL terms, so any grouping
+        would do). A None entry is a turn this rank has no rows for (`ranks.idle_pass`)."""
+        dev = self.device
+        old_lp = torch.zeros(batch.response_ids.shape, device=dev)  # [B, T]
+        ref_lp, values = torch.zeros_like(old_lp), torch.zeros_like(old_lp)  # [B, T]
+        after = torch.zeros(len(batch), device=dev)  # [B]
         self.policy.train(False)
-        for rows in self.ranks.local_rows(len(batch)).split(self.ppo.micro_batch_rows):  # this rank's rows
-            ids, att, pos = (t[rows].to(dev) for t in (batch.input_ids, batch.attention_mask, batch.position_ids))
-            response_ids = batch.response_ids[rows].to(dev)
-            logits, vals = self.policy.forward(ids, att, pos)
-            old_lp.append(self._response_logprobs(logits, response_ids, plen))
-            ref_lp.append(self._response_logprobs(self.policy.reference_logits(ids, att, pos), response_ids, plen))
-            if vals is not None:
-                values.append(vals[:, plen - 1:plen - 1 + width])  # V(s_t): the state before response token t
-                lengths = batch.response_mask[rows].sum(-1).long().to(dev)  # [b]
-                after.append(vals.gather(1, (plen - 1 + lengths)[:, None]).squeeze(1))  # V after the last token
-        # every rank's rows, in row order
-        cat = lambda xs: self.ranks.gather_rows(torch.cat(xs) if xs else None, len(batch))  # noqa: E731
-        return cat(old_lp), cat(ref_lp), cat(values), cat(after)
+        for rows in micro_batches:
+            if rows is None:  # N ranks: the others run a micro-batch now, and FSDP's gathers need this rank too
+                self.ranks.idle_pass(lambda: self._score_rows(batch, torch.zeros(1, dtype=torch.long),
+                                                              batch.response_mask))
+                continue
+            scored, ref, micro_mask, plen = self._score_rows(batch, rows, response_mask)
+            width = micro_mask.shape[1]
+            rows = rows.to(dev)
+            old_lp[rows, :width], ref_lp[rows, :width] = scored.logprobs, ref
+            if scored.values is not None:
+                values[rows, :width] = scored.values[:, plen - 1:plen - 1 + width]  # V(s_t): before response token t
+                lengths = micro_mask.sum(-1).long()  # [b]
+                after[rows] = scored.values.gather(1, (plen - 1 + lengths)[:, None]).squeeze(1)  # after the last token
+        critic = self.policy.value_head is not None
+        gathered = [self.ranks.sum_rows(t) for t in (old_lp, ref_lp, values, after)]  # every rank's rows
+        return gathered[0], gathered[1], gathered[2] if critic else None, gathered[3] if critic else None
+
+    def _score_rows(self, batch: RolloutBatch, rows: torch.Tensor, response_mask: torch.Tensor):
+        """Policy scores, reference logprobs [b, T'], the micro-batch's mask [b, T'] and its prompt length P'
+        for `rows` [b] of `batch`, cut to the columns `response_mask` uses."""
+        dev, ppo = self.device, self.ppo
+        columns, width, plen = trim_columns(batch.attention_mask[rows], response_mask[rows], batch.prompt_length)
+        ids, att, pos = (t[rows][:, columns].to(dev) for t in (batch.input_ids, batch.attention_mask,
+                                                              batch.position_ids))
+        response_ids, micro_mask = (t[rows, :width].to(dev) for t in (batch.response_ids, response_mask))
+        with self._precision():
+            scored = self.policy.score(ids, att, pos, response_ids, micro_mask, plen, ppo.temperature,
+                                       ppo.logit_chunk_tokens)
+            ref = self.policy.reference_score(ids, att, pos, response_ids, micro_mask, plen, ppo.temperature,
+                                              ppo.logit_chunk_tokens)
+        return scored, ref, micro_mask, plen
+
+    def _length_bucketed(self, batch: RolloutBatch, rows: torch.Tensor) -> list[torch.Tensor]:
+        """`rows` [r] of `batch` in length buckets (row indices into `batch`)."""
+        buckets = length_buckets(batch.attention_mask[rows], batch.response_mask[rows], self.ppo.micro_batch_rows,
+                                 self.ppo.micro_batch_tokens)
+        return [rows[bucket] for bucket in buckets]
+
+    def _old_and_reference(self, batch: RolloutBatch, plan: UpdatePlan, keep: torch.Tensor):
+        """`_forward_no_grad` over every row. The rows the update learns from run in exactly the
+        micro-batches of the update's first epoch (same rows, order, trimmed widths and logit chunks;
+        under N ranks each rank the ones `ranks.deal` gives it of each minibatch, as the update does),
+        so the first minibatch's ratio is 1 to the bit on every rank whatever shape-dependent rounding
+        the kernels do (`ppo/first_minibatch_ratio_dev`). The rows of dropped groups (`keep` [B] 0), which
+        only enter the KL metrics and the critic's return statistics, run afterwards in their own length
+        buckets."""
+        kept = keep.cpu().bool()  # [B]
+        update_mask = batch.response_mask * kept[:, None]  # [B, T] as the update will see it
+        micro_batches = [rows if rows is not None and kept[rows].any() else None
+                         for minibatch in plan.epochs[0] for rows in self.ranks.deal(list(minibatch.micro_batches))]
+        scores = self._forward_no_grad(batch, micro_batches, update_mask)
+        dropped = (~kept).nonzero().squeeze(1)  # [d]
+        if not len(dropped):
+            return scores
+        rest = self._forward_no_grad(batch, self.ranks.deal(self._length_bucketed(batch, dropped)), batch.response_mask)
+        is_dropped = (~kept).to(self.device)
+        return tuple(None if a is None else torch.where(is_dropped.view(-1, *[1] * (a.dim() - 1)), b, a)
+                     for a, b in zip(scores, rest))
 
     @torch.no_grad()
-    def assemble(self, batch: RolloutBatch, rewards) -> tuple[TrainBatch, dict]:
+    def assemble(self, batch: RolloutBatch, rewards, plan: UpdatePlan) -> tuple[TrainBatch, dict]:
+        """The TrainBatch of this iteration: old and reference logprobs and values from a no-grad pass over
+        `plan`'s first-epoch micro-batches (the plan the update will run), rewards, advantages."""
         ppo, dev = self.ppo, self.device
-        old_lp, ref_lp, values, after = self._forward_no_grad(batch)
-        mask = batch.response_mask.to(dev)
         keep, metrics = self._kept_rows(batch)  # [B]
+        old_lp, ref_lp, values, after = self._old_and_reference(batch, plan, keep)
+        mask = batch.response_mask.to(dev)
         kl = kl_estimate(old_lp, ref_lp, ppo.kl_estimator) * mask  # [B, T]
         kl_rewards = -ppo.kl_coef * kl  # [B, T] the in-reward KL, its own term
         total = rewards.total.to(dev) + kl_rewards  # [B, T]
@@ -261,22 +336,24 @@ class PPOTrainer:
     # ------------------------------------------------------------------ 5. update
     def _micro_loss(self, mb: TrainBatch, tokens: float, seqs: float, train_policy: bool):
         ppo = self.ppo
-        logits, values = self.policy.forward(mb.input_ids, mb.attention_mask, mb.position_ids)
+        with self._precision():
+            scored = self.policy.score(mb.input_ids, mb.attention_mask, mb.position_ids, mb.response_ids,
+                                       mb.response_mask, mb.prompt_length, ppo.temperature, ppo.logit_chunk_tokens,
+                                       with_entropy=train_policy, entropy_grad=ppo.entropy_coef != 0)
         plen, width = mb.prompt_length, mb.response_ids.shape[1]
         counts = dict(global_token_count=tokens, global_seq_count=seqs, norm_length=float(ppo.max_new_tokens))
         loss, stats = 0.0, {}
         if self.uses_critic:
             head = self.policy.value_head  # the loss in normalised return units (ValueHead)
-            v_loss, v_clip = maths.value_loss(head.normalise(values[:, plen - 1:plen - 1 + width]),
+            v_loss, v_clip = maths.value_loss(head.normalise(scored.values[:, plen - 1:plen - 1 + width]),
                                               head.normalise(mb.old_values), head.normalise(mb.returns),
                                               mb.response_mask, ppo.value_clip, ppo.loss_agg, **counts)
             loss, stats = ppo.vf_coef * v_loss, {"value/loss": v_loss.detach(), "value/clip_fraction": v_clip}
         if train_policy:
-            logprobs = self._response_logprobs(logits, mb.response_ids, mb.prompt_length)
+            logprobs = scored.logprobs
             p_loss, pstats = maths.policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
                                                ppo.clip_low, ppo.clip_high, ppo.clip_c, ppo.loss_agg, **counts)
-            entropy = maths.entropy_from_logits(logits[:, plen - 1:plen - 1 + width].float() / ppo.temperature)
-            ent = maths.aggregate(entropy, mb.response_mask, ppo.loss_agg, **counts)
+            ent = maths.aggregate(scored.entropy, mb.response_mask, ppo.loss_agg, **counts)
             loss = loss + p_loss - ppo.entropy_coef * ent
             if ppo.kl_loss_coef > 0:
                 kl = maths.aggregate(kl_estimate(logprobs, mb.ref_logprobs, ppo.kl_loss_estimator), mb.response_mask,
@@ -287,22 +364,23 @@ class PPOTrainer:
                           **{f"ppo/{k}": v for k, v in pstats._asdict().items()}})
         return loss, stats
 
-    def update(self, train: TrainBatch, iteration: int) -> dict:
+    def update(self, train: TrainBatch, iteration: int, plan: UpdatePlan | None = None) -> dict:
+        """ppo_epochs over `plan`'s minibatches (None: the plan `self.plan` gives for this iteration,
+        made here from `train`'s masks)."""
         ppo, shape = self.ppo, self.shape
         train_policy = iteration >= ppo.value_warmup_iterations
-        generator = torch.Generator().manual_seed(self.seed * 7919 + iteration)
+        if plan is None:
+            plan = self._plan_from_masks(train.attention_mask, train.response_mask, iteration)
         self.policy.train(False)  # dropout off, as when the old logprobs were taken: ratio 1 before any step
         sums: dict[str, float] = {}
         micro_count, steps, empty = 0, [], 0
         first_ratio = None
         bar = progress(total=ppo.ppo_epochs * shape.minibatches_per_epoch, desc="update", unit="step",
                        enabled=self.show_progress, leave=False)
-        for epoch in range(ppo.ppo_epochs):
-            perm = torch.randperm(shape.rows_per_iteration, generator=generator)
-            for mb_rows in perm.split(ppo.minibatch_rows):
-                minibatch = train.rows(mb_rows.to(train.input_ids.device))
-                if minibatch.response_mask.any():
-                    ran, ratio = self._accumulate(minibatch, train_policy, sums)
+        for epoch in plan.epochs:
+            for minibatch in epoch:
+                if train.response_mask[minibatch.rows.to(train.input_ids.device)].any():
+                    ran, ratio = self._accumulate(train, minibatch, train_policy, sums)
                     micro_count += ran
                     first_ratio = first_ratio or ratio
                     steps.append(self._step(train_policy))
@@ -315,16 +393,20 @@ class PPOTrainer:
             log.info("ppo iteration %d: every group was dropped (all right or all wrong): no update", iteration)
         return self._update_metrics(sums, steps, micro_count, first_ratio, empty)
 
-    def _accumulate(self, minibatch: TrainBatch, train_policy: bool, sums: dict) -> tuple[int, tuple | None]:
+    def _accumulate(self, train: TrainBatch, minibatch: Minibatch, train_policy: bool, sums: dict
+                    ) -> tuple[int, tuple | None]:
         """Backward every micro-batch of `minibatch` that holds a response token, adding their statistics
         to `sums`; returns (micro-batches run, (ratio min, ratio max) of the first one when training the policy)."""
-        device = minibatch.input_ids.device
-        tokens = float(minibatch.response_mask.sum())
-        seqs = float((minibatch.response_mask.sum(-1) > 0).sum())
+        device = train.input_ids.device
+        response_mask = train.response_mask[minibatch.rows.to(device)]  # [m, T]
+        tokens = float(response_mask.sum())
+        seqs = float((response_mask.sum(-1) > 0).sum())
         ran, ratio = 0, None
-        for micro in self.ranks.local_rows(len(minibatch.input_ids)).split(self.ppo.micro_batch_rows):
-            part = minibatch.rows(micro.to(device))
-            if not part.response_mask.any():  # only rows of dropped groups
+        for micro in self.ranks.deal(list(minibatch.micro_batches)):  # this rank's turns of the minibatch
+            # rows of similar length, no all-padding column
+            part = None if micro is None else train.rows(micro.to(device)).trimmed()
+            if part is None or not part.response_mask.any():  # no rows here, or only rows of dropped groups
+                self.ranks.idle_pass(lambda: self._idle_micro(train, minibatch, tokens, seqs, train_policy, sums))
                 continue
             loss, stats = self._micro_loss(part, tokens, seqs, train_policy)
             loss.backward()
@@ -334,6 +416,18 @@ class PPOTrainer:
                 sums[key] = sums.get(key, 0.0) + float(value)
             ran += 1
         return ran, ratio
+
+    def _idle_micro(self, train: TrainBatch, minibatch: Minibatch, tokens: float, seqs: float, train_policy: bool,
+                    sums: dict) -> None:
+        """A turn in which another rank runs a micro-batch and this one has none: forward and backward one
+        row of the minibatch with the loss times 0, so that FSDP's gathers and gradient reductions meet
+        on every rank while this rank adds nothing to the gradients; its statistics' keys join `sums` at 0
+        (the sum over the ranks needs the same keys on each)."""
+        part = train.rows(minibatch.rows[:1].to(train.input_ids.device)).trimmed()
+        loss, stats = self._micro_loss(part, tokens, seqs, train_policy)
+        (loss * 0.0).backward()
+        for key in stats:
+            sums.setdefault(key, 0.0)
 
     def _update_metrics(self, sums: dict, steps: list[dict], micro_count: int, first_ratio: tuple | None,
                         empty: int) -> dict:
@@ -408,9 +502,10 @@ class PPOTrainer:
         with _timer(times, "perf/score_s"):
             rewards, reward_metrics = self.reward(batch)  # 2
         with _timer(times, "perf/assemble_s"):
-            train, assemble_metrics = self.assemble(batch, rewards)  # 3, 4
+            plan = self.plan(batch, iteration)  # the update's micro-batches, which the no-grad pass runs too
+            train, assemble_metrics = self.assemble(batch, rewards, plan)  # 3, 4
         with _timer(times, "perf/update_s"):
-            update_metrics = self.update(train, iteration)  # 5
+            update_metrics = self.update(train, iteration, plan)  # 5
         with _timer(times, "perf/sync_s"):
             synced = self.sync.maybe_sync(self.policy, iteration)  # 6
         lengths = batch.response_mask.sum(-1)

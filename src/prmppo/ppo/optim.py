@@ -2,13 +2,19 @@
 
 AdamW applied directly to a bf16 weight loses most small updates: bf16 keeps 8 bits of mantissa,
 so an update below ~1/256 of the weight rounds away (at lr 1e-5 most of a bf16 weight never
-changes). `MasterWeights` keeps an fp32 copy of every trainable bf16/fp16 parameter; the
+changes). `MasterWeights` keeps an fp32 copy of every trainable bf16/fp16 parameter (full
+fine-tuning's weights; under LoRA the factors and `modules_to_save`, which `LoraPolicy` keeps in
+the model's dtype so that its layers run bf16 GEMMs); the
 optimizer steps the copies and the model's parameter receives the rounded result. Parameters
 already in fp32 pass through untouched, so on an fp32 model this is a no-op.
 
     masters = MasterWeights(param_groups)            # build the optimizer on masters.groups
     loss.backward(); masters.grads_to_masters()      # fp32 grads (clip these)
     optimizer.step(); masters.masters_to_model()
+
+The other way to train in bf16 is `ppo.autocast=bfloat16` on fp32 weights: the weights are then
+the masters and there is nothing to copy. `adamw` builds the optimizer either way, with torch's
+fused CUDA kernel when the parameters live on a GPU (the same AdamW update, one launch per step).
 """
 
 from __future__ import annotations
@@ -17,6 +23,15 @@ import torch
 from torch import nn
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+AUTOCAST_MODES = ("none", "bfloat16")  # ppo.autocast
+
+
+def adamw(params, lr: float, betas: tuple[float, float]) -> torch.optim.AdamW:
+    """AdamW without weight decay on `params` (tensors or groups); fused when they are on CUDA."""
+    groups = list(params)
+    tensors = [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
+    on_cuda = bool(tensors) and all(p.is_cuda for p in tensors)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, weight_decay=0.0, fused=True if on_cuda else None)
 
 
 class MasterWeights:

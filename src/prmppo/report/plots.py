@@ -1,6 +1,6 @@
 """The report's figures (matplotlib, no display needed): one line per group, a 95% band across seeds.
 
-- `accuracy_figure`: test accuracy (greedy, sampled) against PPO iterations done;
+- `accuracy_figure`: test accuracy (greedy, sampled, pass@k) against PPO iterations done;
 - `metrics_figure`: per-iteration training metrics, e.g. reward components or hacking monitors.
 Each returns a `matplotlib.figure.Figure`; `save` writes it as PNG.
 """
@@ -14,11 +14,12 @@ from matplotlib.figure import Figure
 
 from prmppo.report.runs import Grouping, per_seed
 from prmppo.report.stats import mean_ci
-from prmppo.report.tables import ACCURACY, EVAL_STAGE, X_KEY
+from prmppo.report.tables import EVAL_STAGE, GREEDY, X_KEY, measures
 
 REWARD_METRICS = ("reward/total_mean", "reward/outcome_mean", "reward/prm_mean", "ppo/kl_ref")
-HACK_METRICS = ("hack/prm_score_minus_accuracy", "hack/prm_vs_true_step_gap", "hack/repeated_line_rate",
-                "hack/steps_per_response", "rollout/response_length", "rollout/truncated_fraction")
+HACK_METRICS = ("prm/score_mean", "hack/true_step_accuracy", "hack/prm_vs_true_step_gap",
+                "hack/prm_score_minus_accuracy", "hack/repeated_line_rate", "hack/steps_per_response",
+                "rollout/response_length", "rollout/truncated_fraction")
 
 
 def _band(ax, grouping: Grouping, stage: str, metric: str, x_key: str | None) -> bool:
@@ -43,11 +44,14 @@ def _band(ax, grouping: Grouping, stage: str, metric: str, x_key: str | None) ->
 
 
 def accuracy_figure(grouping: Grouping) -> Figure:
-    fig = Figure(figsize=(11, 4.2), layout="constrained")
-    axes = fig.subplots(1, 2, sharey=True)
-    for ax, (kind, metric) in zip(axes, ACCURACY.items()):
-        _band(ax, grouping, EVAL_STAGE, metric, X_KEY)
-        ax.set(title=f"test accuracy ({kind})", xlabel="PPO iterations", ylabel="accuracy")
+    """A panel per test accuracy logged during PPO: greedy, sampled, pass@k (those the runs logged)."""
+    logged = [m for m in measures([run for runs in grouping.groups.values() for run in runs]) if m.stage == EVAL_STAGE]
+    logged = logged or [GREEDY]
+    fig = Figure(figsize=(5.5 * len(logged), 4.2), layout="constrained")
+    axes = fig.subplots(1, len(logged), sharey=True, squeeze=False).ravel()
+    for ax, measure in zip(axes, logged):
+        _band(ax, grouping, EVAL_STAGE, measure.metric, X_KEY)
+        ax.set(title=f"test accuracy ({measure.name})", xlabel="PPO iterations", ylabel="accuracy")
         ax.grid(alpha=0.3)
     _figure_legend(fig, axes)
     fig.suptitle("Test accuracy vs PPO iterations: mean across seeds, 95% CI band")

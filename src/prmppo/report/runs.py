@@ -1,9 +1,10 @@
 """Finding, reading and grouping runs for reports: a run is a directory with `.hydra/config.yaml`.
 
 A run's files: `.hydra/config.yaml` and `.hydra/overrides.yaml` (what Hydra composed and what the
-user typed), `stage_result.json` (status `ok` / `stopped` / `failed` and the error), and
+user typed), `stage_result.json` (status `ok` / `stopped` / `failed`, the error, `finished_at`),
 `metrics.jsonl` (the source of truth: `ppo` rows per iteration, `ppo_eval` rows with test
-accuracy during PPO). Runs group by arm and by the swept keys (override keys whose values differ
+accuracy during PPO, `eval` rows with the pipeline's final evaluation), and `run_info.json` (start
+time and hardware). Runs group by arm and by the swept keys (override keys whose values differ
 between the runs, `seed` excepted: seeds are the replicates). A swept key that a run never reads
 (`config.validate.inert_keys`, e.g. `reward.eta` for the ORM arm) shows as `-` for that run and
 does not split its group; runs of one group that share a seed are averaged into one replicate.
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from prmppo.config.build import build_quietly
 from prmppo.config.validate import inert_keys
 from prmppo.errors import PrmppoError
 
@@ -49,6 +51,10 @@ class Run:
     rows: list[dict] = field(repr=False)
     error: str | None = None
     choices: dict[str, str] = field(default_factory=dict)  # config group -> option (`.hydra/hydra.yaml`)
+    reward_kind: str = "ORM"  # ORM | learned PRM | oracle PRM: asked of the run's reward (`reward_kind`)
+    started_at: float | None = None  # unix seconds (`run_info.json`), None for runs made before it existed
+    finished_at: float | None = None  # unix seconds (`stage_result.json`)
+    host: dict = field(default_factory=dict)  # hostname, cpu_count, device (`run_info.json`)
 
     def series(self, stage: str, metric: str, x_key: str | None = None) -> dict[int, float]:
         """`{x: value}` of `metric` in rows of `stage`; x is `x_key`'s value or, by default, iterations done
@@ -83,11 +89,20 @@ def _read_metrics(path: Path) -> list[dict]:
     return rows
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ReportError(f"{path} is not valid JSON ({err.msg} at line {err.lineno})") from None
+
+
+def reward_kind(config: DictConfig) -> str:
+    """`ORM` (no step scores), `learned PRM` (a trained PRM scores steps) or `oracle PRM` (the task's exact
+    step checker does), asked of the reward the run's config builds."""
+    reward = build_quietly(config.reward, seed=config.seed)
+    if not reward.needs_step_scorer:
+        return "ORM"
+    return "learned PRM" if reward.needs_learned_prm else "oracle PRM"
 
 
 def read_run(path: Path) -> Run:
@@ -101,15 +116,22 @@ def read_run(path: Path) -> Run:
             else {}
     except Exception as err:  # yaml's own error types
         raise ReportError(f"{path / '.hydra'} cannot be read: {err}") from None
-    result = _read_json(path / "stage_result.json") if (path / "stage_result.json").exists() else {}
+    result = read_json(path / "stage_result.json") if (path / "stage_result.json").exists() else {}
     error = result.get("error", {}).get("message") if result else None
+    info = read_json(path / "run_info.json") if (path / "run_info.json").exists() else {}
+    try:
+        kind = reward_kind(config)
+    except PrmppoError as err:
+        raise ReportError(f"{path / '.hydra' / 'config.yaml'}: its reward cannot be built ({err})") from None
     pairs = {}
     for override in overrides:
         key, _, value = override.lstrip("+~").partition("=")
         pairs[key] = value
     return Run(path=path, arm=str(config.arm.name), seed=int(config.seed), status=result.get("status", "incomplete"),
                overrides=pairs, config=config, inert=inert_keys(config), rows=_read_metrics(path / "metrics.jsonl"),
-               error=error, choices={str(k): str(v) for k, v in choices.items()})
+               error=error, choices={str(k): str(v) for k, v in choices.items()}, reward_kind=kind,
+               started_at=info.get("started_at"), finished_at=result.get("finished_at"),
+               host={k: info[k] for k in ("hostname", "cpu_count", "device") if k in info})
 
 
 def find_runs(paths: list[str | Path]) -> list[Run]:

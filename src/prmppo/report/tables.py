@@ -1,26 +1,75 @@
-"""The report's numbers: final test accuracy per group, the PRM - ORM difference, iterations to a threshold.
+"""The report's numbers: final test accuracy per group, PRM - ORM differences, iterations to a threshold.
 
-Accuracy is the test evaluation during PPO (`ppo_eval` rows: `eval/test_greedy_accuracy` and
-`eval/test_sampled_accuracy` after `eval/ppo_iterations` iterations); a run's final accuracy is its
-value at the last evaluation (after the last iteration).
+Two sources of accuracy, each a column only when some run logged it (`measures`):
+  - the test evaluation during PPO (`ppo_eval` rows: `eval/test_greedy_accuracy`,
+    `eval/test_sampled_accuracy`, `eval/test_pass@k` after `eval/ppo_iterations` iterations, on the
+    first `eval.during_ppo_problems` test problems); a run's final value is the one at its last
+    evaluation (after the last iteration);
+  - the final evaluation of the PPO policy by the pipeline's `eval` step (`eval` rows:
+    `eval/ppo/greedy_accuracy`, `eval/ppo/sampled_accuracy`, `eval/ppo/pass@k`, the numbers of
+    `eval.json` on `eval.n_problems` test problems with `eval.k` samples), columns `final ...`,
+    and the same of the SFT policy it started from (`eval/sft/...`), columns `SFT ...`: the baseline,
+    never differenced between arms.
+For pass@k the largest k logged is shown (pass@2 is logged beside pass@8).
+
+Differences: every PRM group against each ORM group that matches it on the swept keys (`reward`
+excepted: it belongs to the arm), labelled by what scores the steps (`learned PRM - ORM`,
+`oracle PRM - ORM`), paired by seed when both ran the same seeds.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
-from prmppo.report.runs import ARM_KEYS, INERT, Grouping, per_seed
+from prmppo.report.runs import ARM_KEYS, INERT, Grouping, Run, per_seed
 from prmppo.report.stats import Estimate, difference_ci, mean_ci
 
 ACCURACY = {"greedy": "eval/test_greedy_accuracy", "sampled": "eval/test_sampled_accuracy"}
 X_KEY = "eval/ppo_iterations"
 EVAL_STAGE = "ppo_eval"
+FINAL_STAGE = "eval"
+_PASS_AT = re.compile(r"pass@(\d+)$")
+# (rows' stage, metric prefix, x key, column prefix, where the numbers come from)
+SOURCES = ((EVAL_STAGE, "eval/test_", X_KEY, "",
+            "the last test evaluation during PPO (`ppo_eval` rows of metrics.jsonl; the first "
+            "`eval.during_ppo_problems` test problems, `eval.during_ppo_k` samples)"),
+           (FINAL_STAGE, "eval/ppo/", None, "final ",
+            "the final evaluation of the PPO policy after training (`eval` rows of metrics.jsonl, as in eval.json; "
+            "`eval.n_problems` test problems, `eval.k` samples)"),
+           (FINAL_STAGE, "eval/sft/", None, "SFT ",
+            "the same final evaluation of the SFT policy PPO started from (the baseline; not compared between arms)"))
+BASELINE = "SFT "  # column prefix of measures that describe the start, not an arm
 
 
-def final_by_seed(runs, metric: str) -> dict[int, float]:
-    """`{seed: metric at the run's last evaluation}`."""
-    return {seed: series[max(series)] for seed, series in per_seed(runs, EVAL_STAGE, metric, X_KEY).items() if series}
+@dataclass(frozen=True)
+class Measure:
+    name: str  # column label, e.g. "greedy" or "final pass@8"
+    stage: str  # the rows it is read from
+    metric: str
+    x_key: str | None  # None: iterations done (`step + 1`)
+
+
+GREEDY = Measure("greedy", EVAL_STAGE, ACCURACY["greedy"], X_KEY)
+
+
+def measures(runs: list[Run]) -> list[Measure]:
+    """The accuracy columns some run logged: greedy, sampled and the largest pass@k, per source."""
+    out = []
+    for stage, prefix, x_key, label, _ in SOURCES:
+        keys = {key for run in runs for row in run.rows if row["stage"] == stage for key in row}
+        ks = sorted(int(m.group(1)) for key in keys if key.startswith(prefix) and (m := _PASS_AT.search(key)))
+        names = ["greedy_accuracy", "sampled_accuracy"] + ([f"pass@{ks[-1]}"] if ks else [])
+        out += [Measure(label + name.removesuffix("_accuracy"), stage, prefix + name, x_key)
+                for name in names if prefix + name in keys]
+    return out
+
+
+def final_by_seed(runs, measure: Measure) -> dict[int, float]:
+    """`{seed: the measure at the run's last evaluation}`."""
+    series = per_seed(runs, measure.stage, measure.metric, measure.x_key)
+    return {seed: values[max(values)] for seed, values in series.items() if values}
 
 
 def iterations_to(runs, metric: str, threshold: float) -> dict[int, int | None]:
@@ -34,20 +83,30 @@ class GroupRow:
     group: tuple[str, ...]
     seeds: list[int]
     runs: int
-    greedy: Estimate
-    sampled: Estimate
+    values: dict[str, Estimate]  # measure name -> mean and 95% CI across seeds
     to_threshold: dict[int, int | None]
+    kind: str = ""  # ORM | learned PRM | oracle PRM
+
+    @property
+    def greedy(self) -> Estimate:
+        return self.values.get("greedy", Estimate(math.nan, math.nan, 0))
+
+    @property
+    def sampled(self) -> Estimate:
+        return self.values.get("sampled", Estimate(math.nan, math.nan, 0))
 
 
 def group_rows(grouping: Grouping, threshold: float) -> list[GroupRow]:
+    """One row per group that logged any test accuracy (a group without one, e.g. `eval.every=0`, is left out)."""
+    columns = measures([run for runs in grouping.groups.values() for run in runs])
     rows = []
     for group, runs in grouping.groups.items():
-        greedy = final_by_seed(runs, ACCURACY["greedy"])
-        if not greedy:
-            continue  # no test evaluation during PPO in these runs (eval.every=0, or not PPO runs)
-        rows.append(GroupRow(group, sorted(greedy), len(runs), mean_ci(list(greedy.values())),
-                             mean_ci(list(final_by_seed(runs, ACCURACY["sampled"]).values())),
-                             iterations_to(runs, ACCURACY["greedy"], threshold)))
+        finals = {m.name: final_by_seed(runs, m) for m in columns}
+        seeds = sorted({seed for values in finals.values() for seed in values})
+        if not seeds:
+            continue
+        rows.append(GroupRow(group, seeds, len(runs), {name: mean_ci(list(v.values())) for name, v in finals.items()},
+                             iterations_to(runs, ACCURACY["greedy"], threshold), runs[0].reward_kind))
     return rows
 
 
@@ -63,66 +122,36 @@ class DifferenceRow:
     pairing: str
     prm_mean: float
     orm_mean: float
+    label: str = "PRM - ORM"  # `learned PRM - ORM` or `oracle PRM - ORM`
+    measure: str = field(default=GREEDY.name)
+
+    def interval(self) -> str:
+        d = self.difference
+        return "n/a" if math.isnan(d.half_width) else f"[{d.mean - d.half_width:+.3f}, {d.mean + d.half_width:+.3f}]"
+
+    def excludes_zero(self) -> bool:
+        """Whether the 95% interval lies wholly on one side of 0 (only then is there a difference to claim)."""
+        d = self.difference
+        return not math.isnan(d.half_width) and abs(d.mean) > d.half_width
 
 
-def difference_rows(grouping: Grouping, metric: str = ACCURACY["greedy"]) -> list[DifferenceRow]:
-    """PRM - ORM final accuracy for every PRM group and each ORM group that matches it on the swept keys
-    (a key inert in either group matches any value)."""
-    finals = {group: final_by_seed(runs, metric) for group, runs in grouping.groups.items()}
+def compared(runs: list[Run]) -> list[Measure]:
+    """The measures PRM and ORM are compared on: every one but the SFT baseline's."""
+    return [m for m in measures(runs) if not m.name.startswith(BASELINE)]
+
+
+def difference_rows(grouping: Grouping, measure: Measure = GREEDY) -> list[DifferenceRow]:
+    """PRM - ORM of `measure` for every PRM group and each ORM group that matches it on the swept keys (a key
+    inert in either group matches any value; `reward` belongs to the arm and matches any value)."""
+    finals = {group: final_by_seed(runs, measure) for group, runs in grouping.groups.items()}
     rows = []
     for prm, prm_final in finals.items():
         if prm[0] != "prm" or not prm_final:
             continue
+        kind = grouping.groups[prm][0].reward_kind
         for orm, orm_final in finals.items():
             if orm[0] == "orm" and orm_final and _compatible(grouping, prm, orm):
                 estimate, pairing = difference_ci(prm_final, orm_final)
                 rows.append(DifferenceRow(prm, orm, estimate, pairing, mean_ci(list(prm_final.values())).mean,
-                                          mean_ci(list(orm_final.values())).mean))
+                                          mean_ci(list(orm_final.values())).mean, f"{kind} - ORM", measure.name))
     return rows
-
-
-def _reached(values: dict[int, int | None]) -> str:
-    hit = sorted(v for v in values.values() if v is not None)
-    if not hit:
-        return f"never (0/{len(values)})"
-    median = hit[len(hit) // 2] if len(hit) % 2 else (hit[len(hit) // 2 - 1] + hit[len(hit) // 2]) / 2
-    return f"{median:g} ({len(hit)}/{len(values)} seeds)"
-
-
-def markdown(grouping: Grouping, threshold: float, figures: list[str], sources: list[str]) -> str:
-    """The report as markdown: groups, final accuracy with 95% CIs, PRM - ORM, failed runs, figures."""
-    rows = group_rows(grouping, threshold)
-    keys = grouping.keys
-    total = sum(len(r) for r in grouping.groups.values()) + len(grouping.not_ok)
-    lines = ["# prmppo report", "",
-             f"{total} runs from {', '.join(f'`{s}`' for s in sources)}; grouped by arm"
-             + (f" and the swept keys {', '.join(f'`{k}`' for k in keys)}" if keys else "")
-             + f"; seeds are the replicates. `{INERT}`: the key has no effect on that arm's runs "
-               "(not split on). Intervals: 95% Student-t across seeds.", "",
-             "## Final test accuracy", "",
-             "| arm | " + " | ".join(keys) + (" | " if keys else "")
-             + f"seeds | runs | greedy | sampled | iterations to greedy >= {threshold:g} |",
-             "|" + "---|" * (len(keys) + 6)]
-    for row in rows:
-        lines.append(f"| {row.group[0]} | " + " | ".join(row.group[1:]) + (" | " if keys else "")
-                     + f"{','.join(map(str, row.seeds))} | {row.runs} | {row.greedy} | {row.sampled} | "
-                     + f"{_reached(row.to_threshold)} |")
-    if not rows:
-        lines.append("\nNo finished run logged test accuracy during PPO (`ppo_eval` rows; `eval.every` > 0).")
-    diffs = difference_rows(grouping)
-    if diffs:
-        lines += ["", "## PRM - ORM (final greedy test accuracy)", "",
-                  "| PRM group | ORM group | PRM | ORM | difference (95% CI) | pairing |", "|---|---|---|---|---|---|"]
-        for d in diffs:
-            ci = "n/a" if math.isnan(d.difference.half_width) else \
-                f"[{d.difference.mean - d.difference.half_width:+.3f}, {d.difference.mean + d.difference.half_width:+.3f}]"
-            lines.append(f"| {grouping.label(d.prm)} | {grouping.label(d.orm)} | {d.prm_mean:.3f} | {d.orm_mean:.3f} | "
-                         f"{d.difference.mean:+.3f} {ci} | {d.pairing} (n={d.difference.n}) |")
-    if grouping.not_ok:
-        lines += ["", "## Runs that did not finish", "", "| run | status | error |", "|---|---|---|"]
-        for run in grouping.not_ok:
-            error = (run.error or "").splitlines()[0] if run.error else ""
-            lines.append(f"| `{run.path}` | {run.status} | {error.replace('|', '/')} |")
-    for figure in figures:
-        lines += ["", f"![{figure}]({figure})"]
-    return "\n".join(lines) + "\n"

@@ -10,7 +10,8 @@ schema (`config/schema.py RolloutConfig`) holds the timeouts' defaults; the clas
 `start()` clears stale spool files, launches `python -m prmppo.rollout.worker` (output appended
 to `log_path`) with `python` (the trainer's interpreter, or an engine's own environment: the
 worker's PYTHONPATH gets a directory holding only a link to this prmppo package, see
-`worker_import_dir`) and waits for the heartbeat to say "ready"; an engine that cannot start
+`worker_import_dir`) and waits for the heartbeat to say "ready" (`launch()` and `wait_ready()` are
+its two halves, so the worker's start can overlap the trainer's own set-up); an engine that cannot start
 raises `EngineStartError` with the worker's one-line cause and the log path
 (`probe_engine_python` checks beforehand, in seconds, that an interpreter can run an engine).
 `generate()` writes the request and polls for its result while watching three ways the worker
@@ -176,6 +177,7 @@ class RolloutClient:
         self.env = env
         self.engine_options = dict(engine_options or {})
         self._proc: subprocess.Popen | None = None
+        self._launched_at = 0.0
         self._served: WeightsSpec | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -195,7 +197,10 @@ class RolloutClient:
         return self._proc is not None and self._proc.poll() is None
 
     def __enter__(self) -> "RolloutClient":
-        self.start()
+        """Start the worker, or wait for the one `launch` started, until its heartbeat says "ready"."""
+        if self._proc is None:
+            self.launch()
+        self.wait_ready()
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -227,6 +232,12 @@ class RolloutClient:
 
     def start(self) -> None:
         """Launch the worker and wait until its heartbeat says "ready"."""
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the worker process and return at once: its imports and engine load overlap with
+        whatever the caller does next; `wait_ready` (or entering the client) waits for it."""
         if self._proc is not None and self._proc.poll() is None:
             raise RolloutWorkerError(f"worker pid {self._proc.pid} is already running; close() it first")
         self._clear_spool()
@@ -246,7 +257,13 @@ class RolloutClient:
                 start_new_session=True,
             )
         self._served = None
-        deadline = time.monotonic() + self.startup_timeout_s
+        self._launched_at = time.monotonic()
+
+    def wait_ready(self) -> None:
+        """Wait until the launched worker's heartbeat says "ready" (within `startup_timeout_s` of the launch)."""
+        if self._proc is None:
+            raise RolloutWorkerError("rollout worker is not running: call launch() or start() first")
+        deadline = self._launched_at + self.startup_timeout_s
         while time.monotonic() < deadline:
             beat = self._read_heartbeat()
             if beat is not None and beat["status"] == "failed" or self._proc.poll() is not None:
@@ -388,19 +405,24 @@ class RolloutClient:
 
 
 def rollout_client(engine: str, python: str, sync: str, sync_every_iterations: int, startup_timeout_s: float,
-                   request_timeout_s: float, heartbeat_timeout_s: float, gpu_memory_utilization: float, *,
+                   request_timeout_s: float, heartbeat_timeout_s: float, gpu_memory_utilization: float,
+                   decode: str, *,
                    spool_dir: str | os.PathLike, base_model_dir: str | os.PathLike, log_path: str | os.PathLike,
                    device: str, dtype: str, lora_rank: int, seed: int) -> RolloutClient:
     """The (not yet started) worker client a run's `rollout` config node describes: that node's `_target_`.
 
     The run passes what only it knows (spool, base checkpoint, log, engine device, dtype, the LoRA
     rank and the seed). vLLM gets its memory share, the seed, and the LoRA rank to reserve when
-    adapters are synced (`sync=adapter`; 0 otherwise). `sync_every_iterations` belongs to the weight
+    adapters are synced (`sync=adapter`; 0 otherwise); the built-in engine gets its `decode` loop.
+    `sync_every_iterations` belongs to the weight
     sync (`ppo/sync.py WeightSync`), which reads the same node.
     """
     del sync_every_iterations
-    options = {} if engine != "vllm" else {"gpu_memory_utilization": gpu_memory_utilization, "seed": seed,
-                                           "max_lora_rank": lora_rank if sync == "adapter" else 0}
+    if engine == "vllm":
+        options = {"gpu_memory_utilization": gpu_memory_utilization, "seed": seed,
+                   "max_lora_rank": lora_rank if sync == "adapter" else 0}
+    else:
+        options = {"decode": decode}
     return RolloutClient(spool_dir, engine, base_model_dir, log_path, startup_timeout_s=startup_timeout_s,
                          request_timeout_s=request_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
                          device=device, dtype=dtype, python=resolve_python(python), engine_options=options)

@@ -1,8 +1,11 @@
-"""Plumbing every stage shares: the training device, the metrics logger, `stage_result.json`, and the
-evaluation of a checkpoint on the test split. Stages read the config; what they call takes values."""
+"""Plumbing every stage shares: the training device, the metrics logger, `run_info.json` and
+`stage_result.json`, and the evaluation of a checkpoint on the test split. Stages read the config;
+what they call takes values."""
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from pathlib import Path
 
@@ -47,13 +50,26 @@ def open_metrics(cfg: DictConfig, run_dir: Path, stage: str) -> MetricsLogger:
     return MetricsLogger(run_dir, stage, console=cfg.logger.console, sinks=sinks)
 
 
+def record_start(run_dir: Path, train_device: str) -> None:
+    """`run_info.json`: when the run started (unix seconds) and on what (host name, CPU count, the training
+    device's name), for reports' runtimes and hardware. A relaunch (resume) keeps the first launch's record."""
+    path = run_dir / "run_info.json"
+    if path.exists():
+        return
+    device = torch.device(train_device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" and torch.cuda.is_available() else "cpu"
+    write_json_atomic(path, {"started_at": time.time(), "hostname": socket.gethostname(),
+                             "cpu_count": os.cpu_count(), "device": name})
+
+
 def write_stage_result(run_dir: Path, cfg: DictConfig, stage: str, summary: dict, status: str | None = None,
                        error: dict | None = None) -> None:
-    """`stage_result.json`: status (`ok`, `stopped`, `failed`), who ran (arm, experiment, seed), the keys
-    this config never reads (`inert_keys`), the summary and, for a failed run, the error."""
+    """`stage_result.json`: status (`ok`, `stopped`, `failed`), who ran (arm, experiment, seed), when it
+    ended (`finished_at`, unix seconds), the keys this config never reads (`inert_keys`), the summary and,
+    for a failed run, the error."""
     status = status or ("stopped" if "stopped" in summary else "ok")
     result = {"status": status, "stage": stage, "arm": cfg.arm.name, "experiment": cfg.experiment_name,
-              "seed": cfg.seed, "inert_keys": inert_keys(cfg), "summary": summary}
+              "seed": cfg.seed, "finished_at": time.time(), "inert_keys": inert_keys(cfg), "summary": summary}
     if error is not None:
         result["error"] = error
     write_json_atomic(run_dir / "stage_result.json", result)

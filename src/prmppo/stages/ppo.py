@@ -10,7 +10,9 @@
 Composition only: the launch gates (`guards/gates.py`: verifier receipt, topology, engine, step
 scores, EOS, reference == base; their findings go into the banner) run before any policy weights
 load; then the components are built whole (policy, reward with its step scorer, weight sync,
-rollout worker on the SFT checkpoint, trainer), `banner.json` is written, and the outer loop
+rollout worker on the SFT checkpoint, trainer; the worker process is launched right after the
+policy, so its start overlaps the rest), `banner.json` is written with the seconds each part of
+the start-up took (`startup_s`, `logger/laps.py`), and the outer loop
 (`ppo/run.py`) runs `ppo.iterations` iterations of `PPOTrainer` with the monitors
 (`guards/monitors.py`) and the checkpoint keeper (`ppo/checkpoint.py`). The final policy is saved
 as an HF-layout checkpoint (also published as the stage's artifact for `eval`), and
@@ -24,9 +26,9 @@ exists is read and checked with the early gates, before any weights; `banner.jso
 file, size and pass-rate range under `band`.
 
 Test accuracy during PPO: before the first iteration, every `eval.every` iterations and after the
-last, greedy and sampled accuracy on the first `eval.during_ppo_problems` test problems, logged as
-rows with `"stage": "ppo_eval"` (x axis `eval/ppo_iterations`, the iterations done); canary checks
-add `canary/` metrics to the iteration's row.
+last, greedy and sampled accuracy and pass@k (k = `eval.during_ppo_k`) on the first
+`eval.during_ppo_problems` test problems, logged as rows with `"stage": "ppo_eval"` (x axis
+`eval/ppo_iterations`, the iterations done); canary checks add `canary/` metrics to the iteration's row.
 
 Several ranks (`topology=fsdp`, `dist/`): every rank runs this module; `_RankPieces` holds what differs
 from one process (the policy sharded after the PRM loads, the weight sync and the final save through
@@ -55,7 +57,6 @@ import logging
 import os
 import shutil
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -74,6 +75,7 @@ from prmppo.guards.gates import (check_label_source, check_reference, check_roll
                                  verifier_receipt)
 from prmppo.guards.monitors import Monitors, StopFlag, engine_gap_tripwire
 from prmppo.logger import DiscardMetrics, write_json_atomic
+from prmppo.logger.laps import Laps
 from prmppo.models.loading import DTYPES, load_model, load_tokenizer
 from prmppo.models.prm import build_step_scorer
 from prmppo.ppo.checkpoint import CheckpointKeeper, checkpoint_every
@@ -166,8 +168,8 @@ def _canary(cfg: DictConfig, task, tokenizer, policy, path: Path) -> Canary:
 
 def _test_eval(cfg: DictConfig, task, tokenizer, policy):
     """`evaluate(iterations_done) -> eval/ metrics` of the policy on the first `eval.during_ppo_problems`
-    test problems (the same ones each time): greedy accuracy, and sampled accuracy over
-    `eval.during_ppo_k` samples at `eval.temperature`."""
+    test problems (the same ones each time): greedy accuracy, and sampled accuracy and pass@k over
+    `k = eval.during_ppo_k` samples at `eval.temperature`."""
     problems = task.problems("test")[: cfg.eval.during_ppo_problems]
 
     def evaluate(iterations_done: int) -> dict:
@@ -178,6 +180,8 @@ def _test_eval(cfg: DictConfig, task, tokenizer, policy):
                    "eval/n_problems": len(problems)}
         if cfg.eval.during_ppo_k > 0:
             metrics["eval/test_sampled_accuracy"] = result["sampled_accuracy"]
+            # from the same samples: nothing else changes
+            metrics[f"eval/test_pass@{cfg.eval.during_ppo_k}"] = result[f"pass@{cfg.eval.during_ppo_k}"]
         return metrics
 
     return evaluate
@@ -208,9 +212,29 @@ def _policy(cfg: DictConfig, task, tokenizer, base_dir: Path, ranks):
     return policy, probe
 
 
+class _NoEngine:
+    """The rollout worker as the ranks other than 0 see it: rank 0 alone starts it and asks it for batches."""
+
+    def launch(self) -> None:
+        return None
+
+    def wait_ready(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    def __enter__(self) -> "_NoEngine":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        return None
+
+
 class _RankPieces:
     """What differs between one process and N ranks, built once: the weight sync, the checkpoint keeper,
-    the writer of full weights, and what rank 0 alone owns (the engine, metrics, the canary's file)."""
+    the writer of full weights, and what rank 0 alone owns (metrics, the canary's file; the engine is
+    `_NoEngine` on the other ranks)."""
 
     def __init__(self, cfg: DictConfig, policy, tokenizer, canary_of, run_dir: Path, ranks, iterations: int,
                  keep: int):
@@ -230,9 +254,6 @@ class _RankPieces:
         self.sync = GatheredSync(sync, self.writer, cfg.rollout.sync_every_iterations)
         self.keeper = ShardedKeeper(run_dir, every, keep, self.canary, ranks)
 
-    def engine(self, cfg: DictConfig, base_dir: Path, run_dir: Path, lora_rank: int):
-        return _engine(cfg, base_dir, run_dir, lora_rank) if self.main else nullcontext(None)
-
     def metrics(self, cfg: DictConfig, run_dir: Path):
         return open_metrics(cfg, run_dir, "ppo") if self.main else DiscardMetrics()
 
@@ -251,35 +272,51 @@ def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict,
     when given), or resume from the newest complete checkpoint in `run_dir`; returns the summary (final
     checkpoint path included). A coordinated stop saves, closes the worker, writes `stage_result.json` with
     `stopped` and raises `StopRequested` (exit 3). `ranks`: the training ranks (`dist/`), one process if None."""
-    gates = dict(gates)
+    gates, laps = dict(gates), Laps()
     ranks = ranks if ranks is not None else OneProcess(train_device(cfg))
-    tokenizer = load_tokenizer(base_dir)
-    gates["eos"] = derive_eos(base_dir, tokenizer)
-    policy, probe = _policy(cfg, task, tokenizer, base_dir, ranks)
-    reward = _reward(cfg, task, tokenizer, policy, prm_dir)
-    gates["reference"] = check_reference(policy, **probe)  # after the PRM loads: it must not move the reference
-    ppo = OmegaConf.to_object(cfg.ppo)
-    pieces = _RankPieces(cfg, policy, tokenizer, lambda path: _canary(cfg, task, tokenizer, policy, path), run_dir,
-                         ranks, ppo.iterations, ppo.keep_checkpoints)
-    keeper, sync = pieces.keeper, pieces.sync
-    keeper.trim_run_files()
+    with laps.lap("tokenizer"):
+        tokenizer = load_tokenizer(base_dir)
+        gates["eos"] = derive_eos(base_dir, tokenizer)
+    with laps.lap("policy"):
+        policy, probe = _policy(cfg, task, tokenizer, base_dir, ranks)
+    engine = _engine(cfg, base_dir, run_dir, policy.lora_rank) if ranks.is_main else _NoEngine()
+    engine.launch()  # the worker starts while the trainer sets up; `with engine` below waits for it
     start = time.time()
-    with pieces.engine(cfg, base_dir, run_dir, policy.lora_rank) as engine, pieces.metrics(cfg, run_dir) as logger, \
-            StopFlag(cfg.max_wall_seconds, start) as stop:
-        trainer = PPOTrainer(policy=policy, tokenizer=tokenizer, task=task, reward=reward, engine=engine, sync=sync,
-                             ppo=ppo, logger=logger, device=ranks.device, seed=cfg.seed,
-                             show_progress=cfg.logger.console and ranks.is_main,
-                             prompts=None if band is None else band.problems, ranks=ranks)
+    try:
+        with laps.lap("reward"):
+            reward = _reward(cfg, task, tokenizer, policy, prm_dir)
+        with laps.lap("reference_gate"):  # after the PRM loads: it must not move the reference
+            gates["reference"] = check_reference(policy, **probe)
+        ppo = OmegaConf.to_object(cfg.ppo)
+        pieces = _RankPieces(cfg, policy, tokenizer, lambda path: _canary(cfg, task, tokenizer, policy, path), run_dir,
+                             ranks, ppo.iterations, ppo.keep_checkpoints)  # N ranks: the check and the sharding
+        keeper, sync = pieces.keeper, pieces.sync
+        keeper.trim_run_files()
+        with laps.lap("worker_ready"):  # what is left of the worker's start after the set-up above
+            engine.wait_ready()
+    except BaseException:
+        engine.close()
+        raise
+    with engine, pieces.metrics(cfg, run_dir) as logger, StopFlag(cfg.max_wall_seconds, start) as stop:
+        with laps.lap("trainer"):
+            trainer = PPOTrainer(policy=policy, tokenizer=tokenizer, task=task, reward=reward, engine=engine,
+                                 sync=sync, ppo=ppo, logger=logger, device=ranks.device, seed=cfg.seed,
+                                 show_progress=cfg.logger.console and ranks.is_main,
+                                 prompts=None if band is None else band.problems, ranks=ranks)
         gates["horizon"] = {"policy_optimizer_steps": trainer.shape.policy_steps}  # checked by PPOTrainer
-        first = keeper.resume(policy, trainer, sync)
+        with laps.lap("resume"):
+            first = keeper.resume(policy, trainer, sync)
         if first:
             log.info("resumed from %s at ppo iteration %d (%d policy steps taken)", keeper.checkpoint, first,
                      trainer.policy_steps_taken)
-        tripwire, gates["ratio_tripwire"] = engine_gap_tripwire(trainer, ppo.max_first_ratio_dev,
-                                                            ppo.max_engine_logprob_gap)
+        with laps.lap("engine_gap_gate"):
+            tripwire, gates["ratio_tripwire"] = engine_gap_tripwire(trainer, ppo.max_first_ratio_dev,
+                                                                    ppo.max_engine_logprob_gap)
+        record = banner(cfg, tokenizer, trainer.shape, base_dir, policy, gates, band)
+        record["startup_s"] = laps.as_dict()
         if ranks.is_main:
-            write_json_atomic(run_dir / "banner.json", banner(cfg, tokenizer, trainer.shape, base_dir, policy, gates,
-                                                              band))
+            write_json_atomic(run_dir / "banner.json", record)
+        log.info("start-up (s): %s", record["startup_s"])
         monitors = Monitors(tripwire, pieces.canary, _test_eval(cfg, task, tokenizer, policy), cfg.eval.every,
                             ppo.iterations)
         history, stopped = PPORun(trainer, keeper, monitors, logger, ppo.iterations, f"ppo[{cfg.arm.name}]",

@@ -1,0 +1,65 @@
+"""Log-probabilities (and entropies) of the taken tokens without a [B, T, V] float32 logit tensor.
+
+The update and the no-grad forwards need, per response token, log softmax(logits / temperature)
+at the token that was sampled (and the entropy of that distribution, which the loop logs). With a
+16k-150k vocabulary the full float32 logits of a micro-batch are the largest tensor of the step
+(and autograd keeps them, plus the softmax, for backward). Here the LM head runs on chunks of
+`chunk_tokens` hidden states at a time, only at real response tokens (padding never reaches the
+head), each chunk reduced to two numbers per token at once; under autograd each chunk is
+recomputed in backward (`torch.utils.checkpoint`), so what stays alive is the hidden states, not
+the logits. The values are those of `ppo.maths.logprobs_from_logits` / `entropy_from_logits` on
+the full logits: same upcast-then-temper order, same formulas, only evaluated a slice at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from prmppo.ppo import maths
+
+
+def _chunk_scores(head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                  with_entropy: bool, entropy_grad: bool) -> torch.Tensor:
+    """[n, H] hidden states -> [n, 2] (logprob of `tokens` [n], entropy or 0) under softmax(head(h) / T)."""
+    # upcast before the temperature, as the engines do: bf16 logits / T round differently
+    logits = head(hidden).float() / temperature  # [n, V]
+    logprobs = maths.logprobs_from_logits(logits, tokens)  # [n]
+    if not with_entropy:
+        return torch.stack([logprobs, torch.zeros_like(logprobs)], dim=-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):  # a logged-only entropy: no graph
+        entropy = maths.entropy_from_logits(logits)  # [n]
+    return torch.stack([logprobs, entropy], dim=-1)
+
+
+def token_scores(head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor,
+                 temperature: float, chunk_tokens: int, with_entropy: bool = False, entropy_grad: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs [b, T] of `tokens` [b, T] predicted from `hidden` [b, T, H] through the LM `head`, and
+    their entropies [b, T] (None unless `with_entropy`; without a gradient unless `entropy_grad`, for
+    an entropy that is only logged); 0 where `mask` [b, T] is 0.
+
+    `head` is the model's output-embedding module (tied or not, LoRA-wrapped or not), called as the
+    model calls it. Gradients reach `hidden` and the head's trainable parameters exactly as through
+    the full-logit path.
+    """
+    if hidden.shape[:2] != tokens.shape or tokens.shape != mask.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)}, tokens {tuple(tokens.shape)} and mask {tuple(mask.shape)} "
+                         f"must agree on [rows, response tokens]")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1 (ppo.logit_chunk_tokens)")
+    where = mask.bool()  # [b, T]
+    picked_hidden, picked_tokens = hidden[where], tokens[where]  # [n, H], [n]
+    recompute = torch.is_grad_enabled()
+    parts = []
+    for h, t in zip(picked_hidden.split(chunk_tokens), picked_tokens.split(chunk_tokens)):
+        if recompute:  # keep only the chunk's hidden states for backward; the logits are rebuilt there
+            parts.append(checkpoint(_chunk_scores, head, h, t, temperature, with_entropy, entropy_grad,
+                                    use_reentrant=False))
+        else:
+            parts.append(_chunk_scores(head, h, t, temperature, with_entropy, entropy_grad))
+    scores = torch.cat(parts) if parts else hidden.new_zeros((0, 2), dtype=torch.float32)  # [n, 2]
+    out = hidden.new_zeros((*tokens.shape, 2), dtype=torch.float32).masked_scatter(where[..., None], scores)
+    entropy = (out[..., 1] if entropy_grad else out[..., 1].detach()) if with_entropy else None
+    return out[..., 0], entropy  # [b, T] each
