@@ -10,6 +10,15 @@ is replicated: every rank holds it whole, its gradients are summed by `TorchRank
 Gradients are summed, not averaged, over the ranks (divide factor 1): each rank's loss is already
 its share of the global minibatch mean.
 
+Scoring (`policy.score`, `models/token_scores.py`) calls the decoder and the LM head directly, not
+the root model's forward, so the root unit's hooks would never run: its own parameters (the
+embeddings, the final norm, the LM head, tied or not) would stay sharded, and in backward their
+gradients would never be reduce-scattered. `as_root_forward` runs the scoring pass as the root's
+forward (the policy's `scoring_call`, set by `shard_policy`): the root gathers its parameters once
+before the pass (the LM head's chunks then need no collective, however many a rank runs), keeps
+them for backward (FSDP2 does not reshard the root after forward), and reduces their gradients at
+the end of backward.
+
 `GatheredWriter`: weight sync, checkpoints' HF files and the final policy need the full weights as
 ordinary tensors. `get_model_state_dict(full_state_dict=True, cpu_offload=True)` gathers them (a
 collective: every rank calls it) onto rank 0's CPU, where they are loaded into a plain copy of the
@@ -22,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -62,6 +72,19 @@ def shard_policy(policy, compute_dtype: torch.dtype) -> None:
     reference = getattr(policy, "reference", None)
     if reference is not None:
         _shard(reference, compute_dtype)
+    policy.scoring_call = as_root_forward
+
+
+def as_root_forward(root: nn.Module, run: Callable):
+    """`run()` (a pass that calls `root`'s decoder and LM head itself) as the forward of the FSDP2 root
+    `root`, so that the root's pre-forward all-gather and its backward hooks run around it."""
+    if not isinstance(root, FSDPModule):
+        raise PrmppoError(f"as_root_forward needs an FSDP2-sharded root module, got {type(root).__name__}")
+    root.forward = lambda: run()  # an instance attribute: nn.Module.__call__ runs it inside the root's hooks
+    try:
+        return root()
+    finally:
+        del root.forward
 
 
 def weights_digest(modules: list[nn.Module]) -> str:

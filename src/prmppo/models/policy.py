@@ -159,18 +159,27 @@ def _score(lm: nn.Module, value_head, input_ids, attention_mask, position_ids, r
     return TokenScores(logprobs, entropy, None if value_head is None else value_head(hidden))
 
 
+def call_directly(root: nn.Module, run):
+    """How a scoring pass over `root`'s decoder and LM head runs on one process: `run()`."""
+    return run()
+
+
 class _PolicyBase:
     model: nn.Module
     value_head: "ValueHead | None"  # None when the advantage estimator uses no critic (critic=False)
     _checkpointed_layers: tuple[nn.Module, ...] = ()  # set by enable_gradient_checkpointing
+    # `score` calls the decoder and the LM head itself, not the root model's forward; an FSDP2-sharded
+    # policy replaces this with `dist.shard.as_root_forward`, which runs the pass as the root's forward
+    scoring_call = staticmethod(call_directly)
 
     def score(self, input_ids, attention_mask, position_ids, response_ids, response_mask, prompt_length: int,
               temperature: float, chunk_tokens: int, with_entropy: bool = False,
               entropy_grad: bool = True) -> TokenScores:
         """The policy's logprobs (entropies: with a gradient when `entropy_grad`) of the response tokens
         and its values, without full logits."""
-        return _score(_causal_lm(self.model), self.value_head, input_ids, attention_mask, position_ids, response_ids,
-                      response_mask, prompt_length, temperature, chunk_tokens, with_entropy, entropy_grad)
+        return self.scoring_call(self.model, lambda: _score(
+            _causal_lm(self.model), self.value_head, input_ids, attention_mask, position_ids, response_ids,
+            response_mask, prompt_length, temperature, chunk_tokens, with_entropy, entropy_grad))
 
     def enable_gradient_checkpointing(self) -> None:
         """Recompute each decoder layer's activations in backward (transformers' own checkpointing,
@@ -291,8 +300,9 @@ class LoraPolicy(_PolicyBase):
                         prompt_length: int, temperature: float, chunk_tokens: int) -> torch.Tensor:
         """Reference logprobs [b, T] of the response tokens (the base: adapters off), without full logits."""
         with self.model.disable_adapter():
-            return _score(_causal_lm(self.model), None, input_ids, attention_mask, position_ids, response_ids,
-                          response_mask, prompt_length, temperature, chunk_tokens, False).logprobs
+            return self.scoring_call(self.model, lambda: _score(
+                _causal_lm(self.model), None, input_ids, attention_mask, position_ids, response_ids, response_mask,
+                prompt_length, temperature, chunk_tokens, False).logprobs)
 
     @torch.no_grad()
     def merged_state_dict(self) -> dict[str, torch.Tensor]:
@@ -364,8 +374,9 @@ class FullPolicy(_PolicyBase):
                         prompt_length: int, temperature: float, chunk_tokens: int) -> torch.Tensor:
         """Reference logprobs [b, T] of the response tokens (the frozen copy, adapters off), without full logits."""
         with adapters_off(self.reference):
-            return _score(_causal_lm(self.reference), None, input_ids, attention_mask, position_ids, response_ids,
-                          response_mask, prompt_length, temperature, chunk_tokens, False).logprobs
+            return self.scoring_call(self.reference, lambda: _score(
+                _causal_lm(self.reference), None, input_ids, attention_mask, position_ids, response_ids,
+                response_mask, prompt_length, temperature, chunk_tokens, False).logprobs)
 
     def save_merged(self, out_dir: Path, tokenizer) -> Path:
         self.model.save_pretrained(out_dir)
