@@ -6,13 +6,16 @@ process. Their per-iteration metrics agree within TOLERANCE, for both arms (the 
 oracle step scorer: a learned PRM would add a minute of PRM training and no distributed code path)
 and both LoRA settings, with the critic (gae, its replicated value head) in one case.
 
-Why not exactly: the 2-rank gradient is rank 0's micro-batch sum plus rank 1's, the 1-rank gradient
-accumulates the same micro-batches one after another: fp32 additions in another order differ by
-~1e-7 relative, and the Adam steps carry that into the next iterations. At a gentle LR the metrics
-agree to <= 3e-7 over 3 iterations; this test's LR (0.05, which moves the policy ~5 nats from the
-reference by iteration 2) amplifies it to ~3e-6 relative. So metrics are compared relatively:
-|a - b| <= TOLERANCE x max(1, |a|), far below any real difference (a wrong denominator or a missing
-rank's gradient moves the losses and the norms by tens of percent).
+Why not exactly: the ranks run the same micro-batches as the one process (the plan's, dealt in
+turn), so the rank split itself adds nothing a sum of two gradients would not; but FSDP's sharded
+parameters (DTensors) round differently from plain tensors in the gradient norm and the AdamW
+step, ~1e-7 relative after one step (one FSDP rank does the same), and this test's LR (0.05,
+which moves the policy ~5 nats from the reference by iteration 2) amplifies that to ~1e-4 by the
+third iteration. So the first iteration (one optimizer step per minibatch, before any rounding
+can compound) is compared to FIRST_TOLERANCE and the later ones to TOLERANCE, both relative:
+|a - b| <= tolerance x max(1, |a|), far below any real difference (a wrong denominator or a
+missing rank's gradient moves the losses and the norms by tens of percent, from the first
+iteration on).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from conftest import compose_config
 from prmppo.app import run
 from test_ranks import torchrun
 
-TOLERANCE = 1e-5
+FIRST_TOLERANCE = 1e-6  # the first iteration's metrics
+TOLERANCE = 1e-3  # later iterations' metrics
 # a large LR and an entropy bonus move the smoke policy every iteration (as in tests/stages/test_resume.py),
 # so every iteration's metrics depend on the previous updates
 MOVING = ["stage=ppo", "debug=smoke", "ppo.iterations=3", "ppo.lr=0.05", "ppo.warmup_steps=0", "ppo.entropy_coef=1.0",
@@ -51,19 +55,21 @@ def _compared(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith("perf/") and k != "time"}
 
 
-def _close(a, b) -> bool:
+def _close(a, b, tolerance: float) -> bool:
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return abs(a - b) <= TOLERANCE * max(1.0, abs(a))
+        return abs(a - b) <= tolerance * max(1.0, abs(a))
     return a == b
 
 
 def differences(one: list[dict], two: list[dict]) -> list[str]:
-    """Every metric (timings aside) that differs by more than TOLERANCE x max(1, |value|), and any key or row
-    mismatch."""
+    """Every metric (timings aside) that differs by more than FIRST_TOLERANCE (first iteration) or TOLERANCE
+    (later ones) x max(1, |value|), and any key or row mismatch."""
     found = [] if len(one) == len(two) else [f"{len(one)} rows vs {len(two)}"]
     for a, b in zip(map(_compared, one), map(_compared, two)):
         found += [f"step {a['step']}: {k} in one run only" for k in sorted(set(a) ^ set(b))]
-        found += [f"step {a['step']} {k}: {a[k]} vs {b[k]}" for k in sorted(set(a) & set(b)) if not _close(a[k], b[k])]
+        tolerance = FIRST_TOLERANCE if a["step"] == 0 else TOLERANCE
+        found += [f"step {a['step']} {k}: {a[k]} vs {b[k]}" for k in sorted(set(a) & set(b))
+                  if not _close(a[k], b[k], tolerance)]
     return found
 
 
