@@ -26,8 +26,8 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from prmppo.logger import write_json_atomic
-from prmppo.ppo.checkpoint import (FORMAT_VERSION, MARKER, CheckpointError, CheckpointKeeper, _load_reward_state,
-                                   checkpoint_name, prune_checkpoints, read_meta)
+from prmppo.ppo.checkpoint import (FORMAT_VERSION, MARKER, CheckpointError, CheckpointKeeper,
+                                   checkpoint_name, prune_checkpoints, read_meta, restore_run_state)
 
 OPTIONS = StateDictOptions(ignore_frozen_params=True)
 # loading: the frozen weights are absent on purpose (checked below: nothing trainable may be missing)
@@ -113,16 +113,7 @@ def load_sharded(ckpt_dir: Path, policy, trainer, ranks) -> int:
         device = str(next(policy.value_head.parameters()).device)
         policy.value_head.load_state_dict(load_file(str(ckpt_dir / "value_head.safetensors"), device=device))
     optim = torch.load(ckpt_dir / "optim.pt", weights_only=True, map_location="cpu")
-    if trainer.value_optimizer is not None:
-        trainer.value_optimizer.load_state_dict(optim["value_optimizer"])
-    trainer.scheduler.load_state_dict(optim["scheduler"])
-    torch.set_rng_state(torch.load(ckpt_dir / "rng.pt", weights_only=True)["cpu"])
-    _load_reward_state(ckpt_dir, trainer.reward)
-    trainer.policy_steps_taken = meta["policy_steps_taken"]
-    trainer.skipped_steps = meta["skipped_steps"]
-    for key, value in meta["skip_budget"].items():
-        setattr(trainer.skip_budget, key, value)
-    return int(meta["next_iteration"])
+    return restore_run_state(ckpt_dir, meta, trainer, optim)  # rng.pt here holds the CPU state only
 
 
 class ShardedKeeper(CheckpointKeeper):

@@ -185,6 +185,13 @@ def load_checkpoint(ckpt_dir: Path, policy, trainer) -> int:
     optim = torch.load(ckpt_dir / "optim.pt", weights_only=True, map_location="cpu")
     trainer.masters.load_state_dict(optim["master_weights"])  # before the optimizer: its params are the masters
     trainer.policy_optimizer.load_state_dict(optim["policy_optimizer"])  # moves state to the params' device
+    return restore_run_state(ckpt_dir, meta, trainer, optim)
+
+
+def restore_run_state(ckpt_dir: Path, meta: dict, trainer, optim: dict) -> int:
+    """What a resume restores besides the policy's weights and optimizer, for one process or N ranks:
+    the value optimizer, the LR scheduler, the RNG states, the reward's state and the step counters;
+    returns the next iteration."""
     if trainer.value_optimizer is not None:
         trainer.value_optimizer.load_state_dict(optim["value_optimizer"])
     trainer.scheduler.load_state_dict(optim["scheduler"])
