@@ -7,15 +7,21 @@ band's measurement keys; `band.enabled` and `band.file` say whether and where PP
 not how one is made, so they are left out of its key (they stay in PPO's). An artifact
 directory is written under a temp name and renamed when complete, with `artifact.json`
 recording the config sections it was made from; a directory without that file is an
-interrupted write and is never reused.
+interrupted write and is never reused. Runs that need the same artifact at once (the jobs of a
+parallel sweep sharing a seed) take its build lock (`building`): one builds it while the others
+wait, then they reuse it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import logging
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -31,6 +37,8 @@ ARTIFACT_SECTIONS: dict[str, tuple[str, ...]] = {
 # keys of a section left out of one stage's key: they do not change how its artifact is made
 UNKEYED: dict[str, dict[str, tuple[str, ...]]] = {"band": {"band": ("enabled", "file")}}
 MANIFEST = "artifact.json"
+
+log = logging.getLogger("prmppo")
 
 
 def artifact_key(cfg: DictConfig, stage: str) -> tuple[str, dict]:
@@ -50,6 +58,24 @@ def artifact_dir(cfg: DictConfig, stage: str) -> Path:
 
 def artifact_ready(path: Path) -> bool:
     return (path / MANIFEST).is_file()
+
+
+@contextmanager
+def building(final: Path) -> Iterator[None]:
+    """Hold `final`'s build lock (an flock on `<final>.lock`, released when the process ends, however it
+    ends): check `artifact_ready` and build inside it, so that two runs never build the same artifact
+    into one staging directory at once."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.with_name(final.name + ".lock"), "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another run is building %s: waiting for it", final)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def staging_dir(final: Path) -> Path:

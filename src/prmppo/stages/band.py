@@ -282,6 +282,13 @@ def band_summary(rows: list[BandRow], kept: list[BandRow], low: float, high: flo
 
 
 def ensure_band(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path, reuse: bool) -> tuple[Path, dict]:
+    """The band file for this config, built under its artifact lock (parallel runs that need the
+    same one wait for the first to build it, then reuse it); see `_ensure_band_locked`."""
+    with artifacts.building(artifacts.artifact_dir(cfg, "band")):
+        return _ensure_band_locked(cfg, task, run_dir, sft_checkpoint, reuse)
+
+
+def _ensure_band_locked(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path, reuse: bool) -> tuple[Path, dict]:
     """(this config's band file, summary): reused when `reuse` and the artifact exists, else measured on
     `sft_checkpoint` and published."""
     final = artifacts.artifact_dir(cfg, "band")

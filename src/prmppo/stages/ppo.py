@@ -336,9 +336,10 @@ def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict,
 def publish_policy(cfg: DictConfig, checkpoint: Path, summary: dict) -> Path:
     """Copy the final policy to the `ppo` artifact dir for this config (for `eval`/pipeline)."""
     final = artifacts.artifact_dir(cfg, "ppo")
-    tmp = artifacts.staging_dir(final)
-    shutil.copytree(checkpoint, tmp, dirs_exist_ok=True)
-    return artifacts.publish(tmp, final, cfg, "ppo", summary)
+    with artifacts.building(final):
+        tmp = artifacts.staging_dir(final)
+        shutil.copytree(checkpoint, tmp, dirs_exist_ok=True)
+        return artifacts.publish(tmp, final, cfg, "ppo", summary)
 
 
 def _main_first(ranks, make):

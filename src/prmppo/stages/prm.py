@@ -258,6 +258,13 @@ def _label_stats(examples: list[StepExample]) -> dict[str, float]:
 
 
 def ensure_prm(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path, reuse: bool) -> tuple[Path, dict]:
+    """The PRM artifact for this config, built under its artifact lock (parallel runs that need the
+    same one wait for the first to build it, then reuse it); see `_ensure_prm_locked`."""
+    with artifacts.building(artifacts.artifact_dir(cfg, "prm")):
+        return _ensure_prm_locked(cfg, task, run_dir, sft_checkpoint, reuse)
+
+
+def _ensure_prm_locked(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path, reuse: bool) -> tuple[Path, dict]:
     """The PRM artifact for this config: reused when `reuse` and it exists, else trained on `sft_checkpoint`."""
 
     final = artifacts.artifact_dir(cfg, "prm")

@@ -123,6 +123,13 @@ def _greedy(model, tokenizer, task, problems, cfg: DictConfig) -> dict:
 
 
 def ensure_sft(cfg: DictConfig, task, run_dir: Path, reuse: bool) -> tuple[Path, dict]:
+    """The SFT checkpoint for this config, built under its artifact lock (parallel runs that need the
+    same one wait for the first to build it, then reuse it); see `_ensure_sft_locked`."""
+    with artifacts.building(artifacts.artifact_dir(cfg, "sft")):
+        return _ensure_sft_locked(cfg, task, run_dir, reuse)
+
+
+def _ensure_sft_locked(cfg: DictConfig, task, run_dir: Path, reuse: bool) -> tuple[Path, dict]:
     """The SFT checkpoint for this config: reused when `reuse` and it exists, else trained."""
     final = artifacts.artifact_dir(cfg, "sft")
     if reuse and artifacts.artifact_ready(final):
