@@ -126,3 +126,22 @@ def test_optuna_sweeper_runs_trials_on_the_jobs_objective(tmp_path):
     # the best value Optuna reports is the best objective the jobs returned
     assert results.best_value == max(t["summary"]["test"]["greedy_accuracy"] for t in trials)
     assert 0.001 <= results.best_params["sft.lr"] <= 0.01
+
+
+def test_parallel_launcher_runs_jobs_at_once_and_they_share_one_sft(tmp_path):
+    # two jobs of one seed start together under the joblib launcher: one trains the SFT checkpoint,
+    # the other waits on its build lock and reuses it
+    sweep_dir, artifacts = tmp_path / "parallel", tmp_path / "artifacts"
+    proc = run_prmppo(["-m", "sweep=parallel", "hydra.launcher.n_jobs=2", "stage=ppo", "debug=smoke", "arm=orm",
+                       "ppo.iterations=1", "ppo.kl_coef=0.01,0.02", f"artifacts_dir={artifacts}",
+                       f"hydra.sweep.dir={sweep_dir}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((sweep_dir / "sweep_result.json").read_text())
+    assert [job["status"] for job in record["jobs"]] == ["ok", "ok"], record
+    assert [p.name for p in artifacts.iterdir() if p.name.startswith("sft-") and not p.name.endswith(".lock")] \
+        and len(list(artifacts.glob("sft-*.lock"))) == 1
+    reused = ["reusing SFT checkpoint" in (d / "__main__.log").read_text() for d in sorted(sweep_dir.glob("[0-9]_*"))]
+    assert sorted(reused) == [False, True], reused
+    started = [json.loads((d / "run_info.json").read_text())["started_at"] for d in sorted(sweep_dir.glob("[0-9]_*"))]
+    finished = [json.loads((d / "stage_result.json").read_text())["finished_at"] for d in sorted(sweep_dir.glob("[0-9]_*"))]
+    assert max(started) < min(finished)  # they overlapped
