@@ -80,9 +80,12 @@ def as_root_forward(root: nn.Module, run: Callable):
     `root`, so that the root's pre-forward all-gather and its backward hooks run around it."""
     if not isinstance(root, FSDPModule):
         raise PrmppoError(f"as_root_forward needs an FSDP2-sharded root module, got {type(root).__name__}")
-    root.forward = lambda: run()  # an instance attribute: nn.Module.__call__ runs it inside the root's hooks
+    # an instance attribute: nn.Module.__call__ runs it inside the root's hooks. It takes one dummy
+    # argument: on an accelerator FSDP2's root pre-forward moves the call's inputs to the device and,
+    # in some torch releases, fails on a call with no inputs at all
+    root.forward = lambda _unused: run()
     try:
-        return root()
+        return root(None)
     finally:
         del root.forward
 
