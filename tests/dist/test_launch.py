@@ -49,7 +49,9 @@ def test_a_batch_that_does_not_split_across_ranks_is_refused_with_the_arithmetic
 
 
 @pytest.mark.parametrize("override,message", [
-    ("stage=sft", r"stage=sft with topology=fsdp is not available yet"),
+    ("stage=band", r"stage=band with topology=fsdp is not available yet: the stages that run on several ranks "
+                   r"are sft, prm, ppo, pipeline"),
+    ("stage=eval", r"stage=eval with topology=fsdp is not available yet"),
     ("ppo.drop_uniform_groups=true", r"ppo.drop_uniform_groups=true with topology=fsdp is not available yet"),
     ("topology=cpu", r"topology.train_world_size=2 with topology=cpu: one process trains"),
 ])
