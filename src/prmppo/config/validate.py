@@ -228,7 +228,8 @@ def _check_split(problems: list[str], key: str, batch_rows: int, world: int) -> 
     if world >= 1 and batch_rows % world:
         problems.append(f"{key}={batch_rows} does not split across topology.train_world_size={world} ranks: each rank "
                         f"trains on {key} / {world} rows of every step and {batch_rows} % {world} = "
-                        f"{batch_rows % world}; use a multiple of {world} (e.g. {key}={-(-batch_rows // world) * world})")
+                        f"{batch_rows % world}; use a multiple of {world} "
+                        f"(e.g. {key}={-(-batch_rows // world) * world})")
 
 
 def _check_stage_splits(problems: list[str], cfg: DictConfig, world: int) -> None:

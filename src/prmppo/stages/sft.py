@@ -137,7 +137,8 @@ def train_sft(model, source: SFTBatchSource, *, steps: int, batch_rows: int, lr:
         if step % log_every == 0 or step == steps - 1:
             elapsed = time.time() - start
             logger.log(step, {"sft/loss": loss_value, "sft/lr": scheduler.get_last_lr()[0],
-                              "sft/grad_norm": ranks.scalar(grad_norm), "perf/tokens_per_s": tokens / max(elapsed, 1e-9)})
+                              "sft/grad_norm": ranks.scalar(grad_norm),
+                              "perf/tokens_per_s": tokens / max(elapsed, 1e-9)})
             progress.set_postfix(loss=f"{loss_ema:.3f}")
     model.eval()
     return {"final_loss_ema": loss_ema, "train_seconds": time.time() - start, "response_tokens": tokens}
