@@ -9,7 +9,7 @@ directory is written under a temp name and renamed when complete, with `artifact
 recording the config sections it was made from; a directory without that file is an
 interrupted write and is never reused. Runs that need the same artifact at once (the jobs of a
 parallel sweep sharing a seed) take its build lock (`building`): one builds it while the others
-wait, then they reuse it.
+wait, then they reuse it. Under `topology=fsdp` rank 0 alone takes it (`building_on_main`).
 """
 
 from __future__ import annotations
@@ -76,6 +76,19 @@ def building(final: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextmanager
+def building_on_main(final: Path, is_main: bool) -> Iterator[None]:
+    """`building(final)` on training rank 0 (or the only process); a nothing on the other ranks of
+    `topology=fsdp`, which build (train) together with rank 0 and follow its decision to reuse or build.
+    One lock per job: N ranks taking it would wait for each other forever while rank 0 waits in a
+    collective for them."""
+    if not is_main:
+        yield
+        return
+    with building(final):
+        yield
 
 
 def staging_dir(final: Path) -> Path:

@@ -27,8 +27,8 @@ def test_every_group_is_present():
 
 # options whose config exists ahead of their code: they compose, and refuse to run with a sentence
 NOT_YET: set[tuple[str, str]] = set()
-# options that run only with other choices: several training ranks run the PPO stage alone
-ALONGSIDE = {("topology", "fsdp"): ["stage=ppo"]}
+# options that run only with other choices (none now: several training ranks run the default pipeline too)
+ALONGSIDE: dict[tuple[str, str], list[str]] = {}
 # options that leave a key without a default (`???`) for the user to give
 NEEDS = {("model", "hf"): "model.path=/nonexistent/checkpoint",
          ("experiment", "math_shepherd_gsm8k"): "model.path=/nonexistent/checkpoint"}

@@ -48,8 +48,29 @@ def test_a_batch_that_does_not_split_across_ranks_is_refused_with_the_arithmetic
     validate_config(compose_config(["debug=smoke", "stage=ppo", *CPU_RANKS]))  # 2 ranks: 4 = 2 x 2
 
 
+@pytest.mark.parametrize("stage,key,rows", [("sft", "sft.batch_rows", 15), ("prm", "prm_train.batch_rows", 7),
+                                             ("pipeline", "sft.batch_rows", 15)])
+def test_sft_and_prm_batches_that_do_not_split_across_ranks_are_refused_with_the_arithmetic(stage, key, rows):
+    """SFT and PRM train data-parallel: each of the 2 ranks takes batch_rows / 2 rows of every step."""
+    cfg = compose_config(["debug=smoke", f"stage={stage}", *CPU_RANKS, "topology.train_world_size=2", f"{key}={rows}"])
+    with pytest.raises(ConfigError, match=rf"{key}={rows} does not split across topology.train_world_size=2 ranks: "
+                                          rf"each rank trains on {key} / 2 rows of every step and {rows} % 2 = 1; "
+                                          rf"use a multiple of 2 \(e.g. {key}={rows + 1}\)"):
+        validate_config(cfg)
+    validate_config(compose_config(["debug=smoke", f"stage={stage}", *CPU_RANKS, f"{key}={rows + 1}"]))
+
+
+def test_a_prm_batch_is_checked_only_where_a_prm_is_made():
+    """arm=orm's pipeline makes no PRM: its prm_train.batch_rows is never split, so it is not refused."""
+    validate_config(compose_config(["debug=smoke", "arm=orm", *CPU_RANKS, "prm_train.batch_rows=7"]))
+    with pytest.raises(ConfigError, match=r"prm_train.batch_rows=7 does not split"):
+        validate_config(compose_config(["debug=smoke", "arm=prm", *CPU_RANKS, "prm_train.batch_rows=7"]))
+
+
 @pytest.mark.parametrize("override,message", [
-    ("stage=sft", r"stage=sft with topology=fsdp is not available yet"),
+    ("stage=band", r"stage=band with topology=fsdp is not available yet: the stages that run on several ranks "
+                   r"are sft, prm, ppo, pipeline"),
+    ("stage=eval", r"stage=eval with topology=fsdp is not available yet"),
     ("ppo.drop_uniform_groups=true", r"ppo.drop_uniform_groups=true with topology=fsdp is not available yet"),
     ("topology=cpu", r"topology.train_world_size=2 with topology=cpu: one process trains"),
 ])

@@ -220,18 +220,45 @@ def _check_band(problems: list[str], cfg: DictConfig) -> None:
                         "a group of one sample is always uniform, so every group would be dropped; use >= 2")
 
 
+# the stages that run on several ranks (`topology=fsdp`); sft and prm train data-parallel wherever they run
+FSDP_STAGES = ("sft", "prm", "ppo", "pipeline")
+
+
+def _check_split(problems: list[str], key: str, batch_rows: int, world: int) -> None:
+    if world >= 1 and batch_rows % world:
+        problems.append(f"{key}={batch_rows} does not split across topology.train_world_size={world} ranks: each rank "
+                        f"trains on {key} / {world} rows of every step and {batch_rows} % {world} = "
+                        f"{batch_rows % world}; use a multiple of {world} "
+                        f"(e.g. {key}={-(-batch_rows // world) * world})")
+
+
+def _check_stage_splits(problems: list[str], cfg: DictConfig, world: int) -> None:
+    """The SFT and PRM batches of a stage that may train them on several ranks (the PRM only where one is made)."""
+    if cfg.stage.name in FSDP_STAGES:  # ppo and pipeline make a missing SFT checkpoint
+        _check_split(problems, "sft.batch_rows", cfg.sft.batch_rows, world)
+    try:
+        learned_prm = build_quietly(cfg.reward, seed=cfg.seed).needs_learned_prm
+    except ConfigError:  # reported by _check_rest
+        learned_prm = False
+    if cfg.stage.name == "prm" or (cfg.stage.name in ("ppo", "pipeline") and learned_prm):
+        _check_split(problems, "prm_train.batch_rows", cfg.prm_train.batch_rows, world)
+
+
 def _check_topology(problems: list[str], cfg: DictConfig) -> None:
-    """Several training ranks (`topology=fsdp`): PPO only, and a batch that splits into whole micro-batches
-    on every rank (each rank runs `minibatch_rows / train_world_size` rows of every minibatch)."""
+    """Several training ranks (`topology=fsdp`): the stages of FSDP_STAGES, SFT and PRM batches that split
+    into equal shares, and a PPO batch that splits into whole micro-batches on every rank (each rank runs
+    `minibatch_rows / train_world_size` rows of every minibatch)."""
     topology, ppo, world = cfg.topology, cfg.ppo, cfg.topology.train_world_size
     if topology.name != "fsdp":
         if world != 1:
             problems.append(f"topology.train_world_size={world} with topology={topology.name}: one process trains; "
                             "use topology=fsdp for several ranks")
         return
-    if cfg.stage.name != "ppo":
-        problems.append(f"stage={cfg.stage.name} with topology=fsdp is not available yet: only stage=ppo runs on "
-                        "several ranks (it makes a missing SFT checkpoint, PRM or band on rank 0 first)")
+    if cfg.stage.name not in FSDP_STAGES:
+        problems.append(f"stage={cfg.stage.name} with topology=fsdp is not available yet: the stages that run on "
+                        f"several ranks are {', '.join(FSDP_STAGES)}; run stage={cfg.stage.name} on one process "
+                        "(topology=cpu or gpu)")
+    _check_stage_splits(problems, cfg, world)
     rows, share = ppo.prompts_per_iteration * ppo.n_samples_per_prompt, ppo.micro_batch_rows * world
     if world >= 1 and share > 0 and ppo.minibatch_rows % share:
         problems.append(

@@ -2,11 +2,12 @@
 
     launch.py      gates (torchrun present, WORLD_SIZE == topology.train_world_size, one run dir),
                    the process group (gloo on CPU, NCCL on CUDA, one rank per GPU), per-rank log files
-    ranks.py       `OneProcess` / `TorchRanks`: what the PPO loop asks of its ranks (rows of this rank,
-                   gathers, sums, the batch from rank 0); on one process every call is the identity
-    shard.py       FSDP2 `fully_shard` per decoder block and at the root; full weights gathered to rank 0
+    ranks.py       `OneProcess` / `TorchRanks`: what the PPO loop, SFT and PRM training ask of their ranks
+                   (rows of this rank, gathers, sums, the batch from rank 0); on one process the identity
+    shard.py       FSDP2 `fully_shard` per decoder block and at the root; full weights gathered to rank 0;
+                   gradient clipping on the global norm
     checkpoint.py  `torch.distributed.checkpoint` sharded saves beside the ordinary checkpoint files
 
-The PPO loop is written once: it asks `ranks` for its share of rows and for global sums, and a
-single process answers with the whole batch and the sums it already has.
+The PPO loop, SFT and PRM training are written once: they ask `ranks` for their share of rows and
+for global sums, and a single process answers with the whole batch and the sums it already has.
 """

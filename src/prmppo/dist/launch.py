@@ -3,6 +3,8 @@
     torchrun --nproc_per_node=N -m prmppo stage=ppo topology=fsdp topology.train_world_size=N \
         hydra.run.dir=runs/<name> ...
 
+(stages sft, prm, ppo and pipeline; `config/validate.py` refuses the others under topology=fsdp).
+
 Every rank composes the same config. The run directory must be given (`hydra.run.dir`): Hydra's
 default is a timestamp, which differs between processes started a second apart, so each rank
 would write into a directory of its own. `python -m prmppo` refuses a multi-rank launch without

@@ -58,6 +58,9 @@ class OneProcess:
     def from_main(self, make: Callable):
         return make()
 
+    def main_first(self, make: Callable):
+        return make()
+
     def any(self, flag: bool) -> bool:
         return flag
 
@@ -112,6 +115,12 @@ class TorchRanks(OneProcess):
         box = [make() if self.is_main else None]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def main_first(self, make: Callable):
+        """`make()` on rank 0, then on the other ranks (e.g. a model directory rank 0 writes and they read)."""
+        result = make() if self.is_main else None
+        dist.barrier()
+        return result if self.is_main else make()
 
     def any(self, flag: bool) -> bool:
         """True on every rank when any rank says so (a stop request must be agreed on)."""

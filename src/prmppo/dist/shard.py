@@ -19,12 +19,17 @@ before the pass (the LM head's chunks then need no collective, however many a ra
 them for backward (FSDP2 does not reshard the root after forward), and reduces their gradients at
 the end of backward.
 
-`GatheredWriter`: weight sync, checkpoints' HF files and the final policy need the full weights as
-ordinary tensors. `get_model_state_dict(full_state_dict=True, cpu_offload=True)` gathers them (a
-collective: every rank calls it) onto rank 0's CPU, where they are loaded into a plain copy of the
-policy made before sharding, whose existing `save_merged` / `save_adapter` write them.
-Simplification: that copy costs rank 0 one model (two for `lora=none`, whose copy keeps its
-reference) of host memory.
+`GatheredModel` / `GatheredWriter`: weight sync, checkpoints' HF files, the final policy and the
+SFT and PRM artifacts need the full weights as ordinary tensors.
+`get_model_state_dict(full_state_dict=True, cpu_offload=True)` gathers them (a collective: every
+rank calls it) onto rank 0's CPU, where they are loaded into a plain copy of the model made before
+sharding, whose existing writers (`save_merged`, `save_pretrained`, `save_prm`) write them.
+Simplification: that copy costs rank 0 one model of host memory (the PPO policy's `GatheredWriter`
+copies the policy only, never a `lora=none` reference).
+
+`shard_model` shards a plain model (SFT) or a PRM's PeftModel the same way as the policy;
+`check_same_weights` refuses ranks that start from different weights; `clip_global_norm` clips on
+the norm of all gradients, sharded (DTensor) and replicated alike.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from prmppo.errors import PrmppoError
 
@@ -62,13 +68,19 @@ def _shard(model: nn.Module, compute_dtype: torch.dtype) -> None:
             module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
 
 
+def shard_model(model: nn.Module, compute_dtype: torch.dtype) -> None:
+    """Shard an fp32 causal LM (or a PeftModel around one) in place, per decoder block and at the root,
+    computing in `compute_dtype`."""
+    low = [name for name, p in model.named_parameters() if p.dtype != torch.float32][:3]
+    if low:
+        raise PrmppoError(f"topology=fsdp shards fp32 weights (the master weights), but {low} are not fp32")
+    _shard(model, compute_dtype)
+
+
 def shard_policy(policy, compute_dtype: torch.dtype) -> None:
     """Shard the policy's fp32 model (and a separate reference) in place, computing in `compute_dtype`; the
     value head stays replicated."""
-    low = [name for name, p in policy.model.named_parameters() if p.dtype != torch.float32][:3]
-    if low:
-        raise PrmppoError(f"topology=fsdp shards fp32 weights (the master weights), but {low} are not fp32")
-    _shard(policy.model, compute_dtype)
+    shard_model(policy.model, compute_dtype)
     reference = getattr(policy, "reference", None)
     if reference is not None:
         _shard(reference, compute_dtype)
@@ -101,9 +113,14 @@ def weights_digest(modules: list[nn.Module]) -> str:
 
 
 def check_identical_init(policy, ranks) -> None:
+    """`check_same_weights` of the policy's model, its separate reference and its value head."""
+    check_same_weights([m for m in (policy.model, getattr(policy, "reference", None), policy.value_head)
+                        if m is not None], ranks)
+
+
+def check_same_weights(modules: list[nn.Module], ranks) -> None:
     """Refuse to train when the ranks start from different weights (before sharding: a rank-dependent
     seed, a different checkpoint on a node's disk): FSDP would silently mix their shards."""
-    modules = [m for m in (policy.model, getattr(policy, "reference", None), policy.value_head) if m is not None]
     digests = [None] * ranks.world_size
     dist.all_gather_object(digests, weights_digest(modules))
     if len(set(digests)) > 1:
@@ -112,32 +129,66 @@ def check_identical_init(policy, ranks) -> None:
                           "model file on their node, or an initialisation that is not seeded the same on every rank)")
 
 
+class GatheredModel:
+    """Rank 0's plain CPU copy of a model, made before sharding (construct it then), refilled with the
+    sharded model's current weights by `full`."""
+
+    def __init__(self, model: nn.Module, ranks):
+        self.model = model
+        self.copy = copy.deepcopy(model).to("cpu") if ranks.is_main else None
+
+    def full(self) -> nn.Module | None:
+        """Every rank calls this (a collective); rank 0 gets the plain copy holding the current weights,
+        the others None."""
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.copy is None:
+            return None
+        result = self.copy.load_state_dict(state, strict=False)
+        if result.unexpected_keys or any(k not in _tied(self.copy) for k in result.missing_keys):
+            raise PrmppoError(f"gathered weights do not fit the model: missing {result.missing_keys[:3]}, "
+                              f"unexpected {result.unexpected_keys[:3]}")
+        return self.copy
+
+
 class GatheredWriter:
     """Writes the full policy from rank 0: weight sync, the final policy, checkpoints' adapter/model files."""
 
     def __init__(self, policy, ranks):
         self.policy, self.ranks = policy, ranks
-        # made before sharding, on rank 0's CPU: a shallow copy of the policy with its own copy of the model
-        # (no reference: only the policy is ever written; the value head is replicated, so shared)
+        self.gathered = GatheredModel(policy.model, ranks)
+        # on rank 0: a shallow copy of the policy around the plain copy of its model (no reference: only the
+        # policy is ever written; the value head is replicated, so shared)
         self.copy = None
         if ranks.is_main:
             self.copy = copy.copy(policy)
-            self.copy.model = copy.deepcopy(policy.model).to("cpu")
+            self.copy.model = self.gathered.copy
             if hasattr(self.copy, "reference"):
                 self.copy.reference = None
 
     def full_policy(self):
         """Every rank calls this (a collective); rank 0 gets the plain copy holding the current weights,
         the others None."""
-        state = get_model_state_dict(self.policy.model,
-                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.copy is None:
-            return None
-        result = self.copy.model.load_state_dict(state, strict=False)
-        if result.unexpected_keys or any(k not in _tied(self.copy.model) for k in result.missing_keys):
-            raise PrmppoError(f"gathered weights do not fit the policy: missing {result.missing_keys[:3]}, "
-                              f"unexpected {result.unexpected_keys[:3]}")
+        self.gathered.full()
         return self.copy
+
+
+def clip_global_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """`clip_grad_norm_` on the norm of all of `params`' gradients, where some are FSDP2-sharded (DTensor)
+    and some plain (a replicated head whose gradients `TorchRanks.sum_grads` already summed); returns the
+    total norm before clipping. One kind alone is torch's own `clip_grad_norm_` (it reduces DTensor norms
+    over the ranks itself)."""
+    with_grad = [p for p in params if p.grad is not None]
+    sharded = [p.grad for p in with_grad if isinstance(p.grad, DTensor)]
+    plain = [p.grad for p in with_grad if not isinstance(p.grad, DTensor)]
+    if not sharded or not plain:
+        return torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
+    sharded_norm = torch.nn.utils.get_total_norm(sharded).full_tensor()  # over every rank's shards
+    plain_norm = torch.nn.utils.get_total_norm(plain).to(sharded_norm.device)
+    total = torch.linalg.vector_norm(torch.stack([sharded_norm, plain_norm]))
+    coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))  # clip_grad_norm_'s coefficient
+    for grad in sharded + plain:
+        grad.mul_(coef)
+    return total
 
 
 def _tied(model: nn.Module) -> set[str]:

@@ -91,6 +91,8 @@ class MetricsLogger:
 class DiscardMetrics:
     """The metrics logger of a training rank other than 0 (rank 0 alone writes metrics.jsonl and W&B)."""
 
+    console = False  # progress bars and milestones are rank 0's
+
     def log(self, step: int, metrics: dict[str, Any], echo: bool = False, stage: str | None = None) -> None:
         return None
 

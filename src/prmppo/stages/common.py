@@ -13,6 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from prmppo.config.validate import inert_keys, wandb_key_configured
+from prmppo.dist.launch import init_ranks
 from prmppo.errors import PrmppoError
 from prmppo.evaluation import score
 from prmppo.logger import MetricsLogger, write_json_atomic
@@ -26,6 +27,13 @@ def train_device(cfg: DictConfig) -> torch.device:
         raise PrmppoError(f"topology.train_device={cfg.topology.train_device!r} but no CUDA device is visible; "
                           "use topology=cpu")
     return device
+
+
+def open_ranks(cfg: DictConfig, run_dir: Path):
+    """The training ranks of this launch (`dist/`): one process on `topology.train_device`, or this rank of N
+    under torchrun (`topology=fsdp`: joins the process group). Close them with `dist.launch.close_ranks`."""
+    train_device(cfg)  # a CUDA device that is not there is refused here
+    return init_ranks(cfg.topology.name, cfg.topology.train_device, run_dir)
 
 
 def head_dim(architecture: dict | None) -> int | None:

@@ -30,9 +30,11 @@ last, greedy and sampled accuracy and pass@k (k = `eval.during_ppo_k`) on the fi
 `eval.during_ppo_problems` test problems, logged as rows with `"stage": "ppo_eval"` (x axis
 `eval/ppo_iterations`, the iterations done); canary checks add `canary/` metrics to the iteration's row.
 
-Several ranks (`topology=fsdp`, `dist/`): every rank runs this module; `_RankPieces` holds what differs
-from one process (the policy sharded after the PRM loads, the weight sync and the final save through
-full weights gathered to rank 0, sharded checkpoints; the engine, metrics and banner on rank 0 only).
+Several ranks (`topology=fsdp`, `dist/`): every rank runs this module; a missing SFT checkpoint or PRM
+is trained data-parallel on every rank first (`stages/sft.py`, `stages/prm.py`), a missing band is
+measured by rank 0 while the others wait; `_RankPieces` holds what differs from one process (the
+policy sharded after the PRM loads, the weight sync and the final save through full weights gathered
+to rank 0, sharded checkpoints; the engine, metrics and banner on rank 0 only).
 
 Stop and resume (`ppo/checkpoint.py`): a resumable checkpoint is saved every
 `checkpoint_every(ppo.iterations, rollout.sync_every_iterations)` iterations (about 4 per run, on
@@ -58,13 +60,14 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from omegaconf import DictConfig, OmegaConf
 
 from prmppo import artifacts
 from prmppo.config.build import build
 from prmppo.dist.checkpoint import ShardedKeeper
-from prmppo.dist.launch import close_ranks, init_ranks, ranks_on_this_node
+from prmppo.dist.launch import close_ranks, ranks_on_this_node
 from prmppo.dist.ranks import OneProcess, TorchRanks
 from prmppo.dist.shard import GatheredSync, GatheredWriter, check_identical_init, shard_policy
 from prmppo.errors import StopRequested
@@ -84,7 +87,7 @@ from prmppo.ppo.run import PPORun
 from prmppo.ppo.sync import WeightSync
 from prmppo.rollout.client import RolloutClient
 from prmppo.stages.band import Band, existing_band, ppo_band
-from prmppo.stages.common import head_dim, open_metrics, train_device, write_stage_result
+from prmppo.stages.common import head_dim, open_metrics, open_ranks, train_device, write_stage_result
 from prmppo.stages.sft import ensure_sft
 from prmppo.stages.prm import ensure_prm
 
@@ -342,12 +345,26 @@ def publish_policy(cfg: DictConfig, checkpoint: Path, summary: dict) -> Path:
         return artifacts.publish(tmp, final, cfg, "ppo", summary)
 
 
-def _main_first(ranks, make):
-    """`make()` on rank 0, then on the other ranks, which find its artifact made and reuse it: the stages
-    before PPO (SFT, PRM, band) run on one process."""
-    result = make() if ranks.is_main else None
-    ranks.barrier()
-    return result if ranks.is_main else make()
+class PPOInputs(NamedTuple):
+    """What PPO starts from: the SFT checkpoint, the PRM when the reward needs one, the band when used."""
+
+    sft_dir: Path
+    sft: dict  # ensure_sft's summary
+    prm_dir: Path | None
+    prm: dict | None  # ensure_prm's summary
+    band: Band | None
+
+
+def ppo_inputs(cfg: DictConfig, task, run_dir: Path, ranks, known_band: Band | None) -> PPOInputs:
+    """The SFT checkpoint and (when the reward needs one) the PRM of this config, reused or trained on every
+    rank (data parallel under `topology=fsdp`), then the band (`known_band`, or measured by rank 0 first
+    while the others wait, then read by them)."""
+    sft_dir, sft_summary = ensure_sft(cfg, task, run_dir, reuse=True, ranks=ranks)
+    prm_dir, prm_summary = None, None
+    if needs_learned_prm(cfg):
+        prm_dir, prm_summary = ensure_prm(cfg, task, run_dir, sft_dir, reuse=True, ranks=ranks)
+    band = ranks.main_first(lambda: ppo_band(cfg, task, run_dir, sft_dir, known_band))
+    return PPOInputs(sft_dir, sft_summary, prm_dir, prm_summary, band)
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict:
@@ -357,13 +374,10 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     task = build(cfg.task, "task")
     gates = early_gates(cfg, task)
     band = existing_band(cfg, task)  # a band that exists is checked before any weights
-    ranks = init_ranks(cfg.topology.name, cfg.topology.train_device, run_dir)
+    ranks = open_ranks(cfg, run_dir)
     try:
-        sft_dir, _ = _main_first(ranks, lambda: ensure_sft(cfg, task, run_dir, reuse=True))
-        prm_dir = (_main_first(ranks, lambda: ensure_prm(cfg, task, run_dir, sft_dir, reuse=True))[0]
-                   if needs_learned_prm(cfg) else None)
-        band = _main_first(ranks, lambda: ppo_band(cfg, task, run_dir, sft_dir, band))
-        summary = train_ppo(cfg, task, sft_dir, run_dir, gates, prm_dir, band, ranks)
+        made = ppo_inputs(cfg, task, run_dir, ranks, band)
+        summary = train_ppo(cfg, task, made.sft_dir, run_dir, gates, made.prm_dir, made.band, ranks)
         if ranks.is_main:
             summary["artifact"] = str(publish_policy(cfg, Path(summary["checkpoint"]), summary))
             summary["wall_seconds"] = time.time() - start

@@ -20,8 +20,28 @@ Steps (`ensure_prm`):
   4. publish   adapter + head (safetensors) + prm_meta.json as the `prm` artifact, keyed by
                (seed, task, model, sft, prm_train), so PPO with `arm=prm` reuses it.
 
-Simplifications: one device; examples are drawn uniformly with replacement; policy samples for
-labels and for best-of-N come from the SFT policy at temperature 1.
+    torchrun --nproc_per_node=2 -m prmppo stage=prm topology=fsdp hydra.run.dir=runs/prm2  # 2 FSDP2 ranks
+
+Simplifications: examples are drawn uniformly with replacement; policy samples for labels and for
+best-of-N come from the SFT policy at temperature 1.
+
+Several ranks (`topology=fsdp`, `dist/`), step by step:
+  1. labels    every rank samples them (and the best-of-N candidates) on its own unsharded fp32 copy
+               of the SFT model, with the same seeded calls, before the adapter exists; then rank 0's
+               examples, candidates and RNG state are broadcast (`TorchRanks.from_main`), so every
+               rank trains and evaluates on exactly rank 0's. Sampling on every rank, not on rank 0
+               alone, keeps the others' wait in that broadcast to the ranks' skew: a wait as long as
+               the sampling itself could outlast the process group's timeout (`dist/launch.py`).
+  2. train     data parallel: the PeftModel sharded by FSDP2 per decoder block and at the root (the
+               `prm` LoRA factors with their blocks), the head replicated (its gradients summed over
+               the ranks); every rank draws the same `prm_train.batch_rows` examples and trains on its
+               own `batch_rows / N` of them; the loss is the weighted BCE sum over the global sum of
+               step weights (all-reduced), gradients clipped on their global norm, so a step of N
+               ranks is the one-process step up to float summation order.
+  3. evaluate  on every rank through the sharded PRM (forward passes only, the same rows on every
+               rank, so FSDP's all-gathers meet); rank 0 records it.
+  4. publish   rank 0 alone (it alone holds the artifact's build lock): the full weights gathered into
+               its plain copy of the PeftModel, saved in the usual layout; the others wait on a barrier.
 """
 
 from __future__ import annotations
@@ -40,14 +60,18 @@ from omegaconf import DictConfig
 
 from prmppo import artifacts
 from prmppo.config.build import build
+from prmppo.dist.launch import close_ranks
+from prmppo.dist.ranks import OneProcess, TorchRanks
+from prmppo.dist.shard import GatheredModel, check_same_weights, clip_global_norm, shard_model
 from prmppo.guards.gates import check_label_source
+from prmppo.logger import DiscardMetrics
 from prmppo.logger.console import log_milestone, progress as progress_bar
-from prmppo.models.loading import load_model, load_tokenizer
+from prmppo.models.loading import DTYPES, load_model, load_tokenizer
 from prmppo.models.prm import LearnedStepScorer, make_head, new_prm, prm_step_logits, save_prm
 from prmppo.ppo.batch import collate
 from prmppo.ppo.maths import make_scheduler
 from prmppo.rewards.steps import StepBoundaries, align_step_labels
-from prmppo.stages.common import open_metrics, train_device, write_stage_result
+from prmppo.stages.common import open_metrics, open_ranks, train_device, write_stage_result
 from prmppo.stages.sft import ensure_sft
 from prmppo.models.prm_labels import (PolicySampler, StepExample, corrupt_at_random_step, encode_solution,
                                       make_step_labels, row_step_ends)
@@ -97,45 +121,60 @@ def _train_batch(examples: list[StepExample], pad_token_id: int, device) -> tupl
     return ids.to(device), att.to(device), pos.to(device), plen, targets.to(device), label_mask.to(device)
 
 
-def step_bce(logits: torch.Tensor, labels: torch.Tensor, negative_weight: float = 1.0) -> torch.Tensor:
-    """Weighted mean BCE-with-logits over labelled steps [n]; a step's weight is
+def step_bce_terms(logits: torch.Tensor, labels: torch.Tensor,
+                   negative_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weighted BCE-with-logits terms [n], weights [n]) of labelled steps; a step's weight is
     1 + (negative_weight - 1) * (1 - label), so a wrong step (label 0) counts `negative_weight` times."""
     weights = 1.0 + (negative_weight - 1.0) * (1.0 - labels)  # [n]
     terms = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")  # [n]
-    return (terms * weights).sum() / weights.sum()
+    return terms * weights, weights
+
+
+def step_bce(logits: torch.Tensor, labels: torch.Tensor, negative_weight: float = 1.0) -> torch.Tensor:
+    """Weighted mean BCE-with-logits over labelled steps [n] (weights as in `step_bce_terms`)."""
+    terms, weights = step_bce_terms(logits, labels, negative_weight)
+    return terms.sum() / weights.sum()
 
 
 def train_prm(peft_model, head, examples: list[StepExample], *, steps: int, batch_rows: int, lr: float,
               warmup_steps: int, pad_token_id: int, device, seed: int, logger, negative_weight: float = 1.0,
-              log_every: int = 25) -> dict:
+              ranks=None, log_every: int = 25) -> dict:
     """BCE-with-logits at labelled step ends; only the `prm` adapter and the head train.
 
-    `negative_weight` > 1 makes wrong steps count more (see `step_bce`).
+    `negative_weight` > 1 makes wrong steps count more (see `step_bce`). `ranks`: one process when None;
+    under `topology=fsdp` each rank trains on its share of every batch (module docstring, step 2).
     """
+    ranks = ranks if ranks is not None else OneProcess(device)
     params = [p for p in peft_model.parameters() if p.requires_grad] + list(head.parameters())
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     scheduler = make_scheduler(optimizer, total_steps=steps, warmup_steps=warmup_steps, min_ratio=0.1)
     generator = torch.Generator().manual_seed(seed)
+    share = batch_rows // ranks.world_size  # validate.py: batch_rows divides by the world size
     peft_model.train()
     head.train()
     start, loss_ema = time.time(), None
     progress = progress_bar(range(steps), desc="prm", unit="step", enabled=logger.console)
     for step in progress:
         picked = [examples[i] for i in torch.randint(len(examples), (batch_rows,), generator=generator).tolist()]
-        ids, att, pos, plen, targets, label_mask = _train_batch(picked, pad_token_id, device)
-        logits = prm_step_logits(peft_model, head, ids, att, pos, plen)  # [b, T]
-        loss = step_bce(logits[label_mask], targets[label_mask], negative_weight)
+        mine = picked[ranks.rank * share:(ranks.rank + 1) * share]  # every rank drew the same rows
+        ids, att, pos, plen, targets, label_mask = _train_batch(mine, pad_token_id, device)
+        logits = prm_step_logits(peft_model, head, ids, att, pos, plen)[label_mask]  # [n] this rank's steps
+        terms, weights = step_bce_terms(logits, targets[label_mask], negative_weight)
+        total_weight = ranks.sum_floats({"weight": float(weights.sum())})["weight"]  # the batch's, every rank
+        loss = terms.sum() / total_weight  # this rank's share of the batch's weighted mean
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        ranks.sum_grads(list(head.parameters()))  # replicated head; the adapter's grads FSDP sums
+        clip_global_norm(params, 1.0)
         optimizer.step()
         scheduler.step()
-        loss_ema = loss.item() if loss_ema is None else 0.9 * loss_ema + 0.1 * loss.item()
+        hits = ((logits > 0) == (targets[label_mask] >= 0.5)).float()  # [n]
+        batch = ranks.sum_floats({"loss": loss.item(), "hits": float(hits.sum()), "steps": float(hits.numel())})
+        loss_ema = batch["loss"] if loss_ema is None else 0.9 * loss_ema + 0.1 * batch["loss"]
         log_milestone("prm", step, steps, {"loss": loss_ema}, logger.console)
         if step % log_every == 0 or step == steps - 1:
-            hits = ((logits[label_mask] > 0) == (targets[label_mask] >= 0.5)).float().mean()
-            logger.log(step, {"prm/loss": loss.item(), "prm/lr": scheduler.get_last_lr()[0],
-                              "prm/batch_step_accuracy": float(hits)})
+            logger.log(step, {"prm/loss": batch["loss"], "prm/lr": scheduler.get_last_lr()[0],
+                              "prm/batch_step_accuracy": batch["hits"] / max(batch["steps"], 1.0)})
             progress.set_postfix(loss=f"{loss_ema:.3f}")
     peft_model.eval()
     head.eval()
@@ -257,68 +296,98 @@ def _label_stats(examples: list[StepExample]) -> dict[str, float]:
             "positive_fraction": sum(x >= 0.5 for x in labels) / max(len(labels), 1)}
 
 
-def ensure_prm(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path, reuse: bool) -> tuple[Path, dict]:
+def ensure_prm(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path, reuse: bool,
+               ranks=None) -> tuple[Path, dict]:
     """The PRM artifact for this config, built under its artifact lock (parallel runs that need the
-    same one wait for the first to build it, then reuse it); see `_ensure_prm_locked`."""
-    with artifacts.building(artifacts.artifact_dir(cfg, "prm")):
-        return _ensure_prm_locked(cfg, task, run_dir, sft_checkpoint, reuse)
+    same one wait for the first to build it, then reuse it); see `_ensure_prm_locked`. `ranks`: one
+    process when None; under `topology=fsdp` every rank calls this and rank 0 alone takes the lock."""
+    ranks = ranks if ranks is not None else OneProcess(train_device(cfg))
+    with artifacts.building_on_main(artifacts.artifact_dir(cfg, "prm"), ranks.is_main):
+        return _ensure_prm_locked(cfg, task, run_dir, sft_checkpoint, reuse, ranks)
 
 
-def _ensure_prm_locked(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path, reuse: bool) -> tuple[Path, dict]:
-    """The PRM artifact for this config: reused when `reuse` and it exists, else trained on `sft_checkpoint`."""
-
-    final = artifacts.artifact_dir(cfg, "prm")
-    if reuse and artifacts.artifact_ready(final):
-        log.info("reusing PRM %s (same task/model/sft/prm_train config)", final)
-        return final, {"reused": True, "prm_dir": str(final)}
-    p, device = cfg.prm_train, train_device(cfg)
-    tokenizer = load_tokenizer(sft_checkpoint)
-    model = load_model(sft_checkpoint, cfg.model.dtype, device)
-    boundaries = StepBoundaries.from_tokenizer(tokenizer, task.step_delimiter)
+def _samples(cfg: DictConfig, task, tokenizer, model, boundaries, rng: random.Random, show_progress: bool):
+    """1. (step-labelled examples, best-of-N candidates or None, `rng`'s state after them), sampled from
+    `model` (the SFT policy: before the prm adapter exists, these are the policy's own samples)."""
+    p = cfg.prm_train
     sampler = PolicySampler(model, temperature=1.0, max_new_tokens=p.max_new_tokens,
                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                            batch_rows=cfg.eval.batch_rows, seed=cfg.seed, show_progress=cfg.logger.console)
+                            batch_rows=cfg.eval.batch_rows, seed=cfg.seed, show_progress=show_progress)
+    examples = make_step_labels(
+        p.label_source, task=task, tokenizer=tokenizer, problems=task.problems("train")[: p.train_problems],
+        sampler=sampler, samples_per_problem=p.samples_per_problem, mc_completions=p.mc_completions,
+        estimation=p.estimation, boundaries=boundaries, rng=rng)
+    candidates = None
+    if p.best_of_n > 0:
+        test = task.problems("test")[: p.eval_problems]
+        flat = sampler([tokenizer(task.format_prompt(q))["input_ids"] for q in test], p.best_of_n)
+        candidates = [flat[i * p.best_of_n:(i + 1) * p.best_of_n] for i in range(len(test))]
+    return examples, candidates, rng.getstate()
+
+
+def _ensure_prm_locked(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path, reuse: bool,
+                       ranks) -> tuple[Path, dict]:
+    """The PRM artifact for this config: reused when `reuse` and it exists (rank 0's word), else trained on
+    `sft_checkpoint`."""
+    final = artifacts.artifact_dir(cfg, "prm")
+    if ranks.from_main(lambda: reuse and artifacts.artifact_ready(final)):
+        log.info("reusing PRM %s (same task/model/sft/prm_train config)", final)
+        return final, {"reused": True, "prm_dir": str(final)}
+    p, device, sharded = cfg.prm_train, ranks.device, isinstance(ranks, TorchRanks)
+    tokenizer = load_tokenizer(sft_checkpoint)
+    model = load_model(sft_checkpoint, "float32" if sharded else cfg.model.dtype, device)  # N ranks: fp32 masters
+    boundaries = StepBoundaries.from_tokenizer(tokenizer, task.step_delimiter)
     rng = random.Random(f"{cfg.seed}-prm")
     summary: dict = {"prm_dir": str(final), "sft_checkpoint": str(sft_checkpoint)}
     log.info("training the PRM on %s: labels from %s on %d problems, then %d steps x %d responses",
              sft_checkpoint, p.label_source, p.train_problems, p.steps, p.batch_rows)
-    with open_metrics(cfg, run_dir, "prm") as logger:
+    with open_metrics(cfg, run_dir, "prm") if ranks.is_main else DiscardMetrics() as logger:
         start = time.time()
-        examples = make_step_labels(
-            p.label_source, task=task, tokenizer=tokenizer, problems=task.problems("train")[: p.train_problems],
-            sampler=sampler, samples_per_problem=p.samples_per_problem, mc_completions=p.mc_completions,
-            estimation=p.estimation, boundaries=boundaries, rng=rng)
-        test = task.problems("test")[: p.eval_problems]
-        candidates = None
-        if p.best_of_n > 0:  # sampled before the prm adapter exists: these are the policy's own samples
-            flat = sampler([tokenizer(task.format_prompt(q))["input_ids"] for q in test], p.best_of_n)
-            candidates = [flat[i * p.best_of_n:(i + 1) * p.best_of_n] for i in range(len(test))]
+        sampled = _samples(cfg, task, tokenizer, model, boundaries, rng, logger.console)  # on every rank
+        examples, candidates, rng_state = ranks.from_main(lambda: sampled)  # rank 0's, on every rank
+        rng.setstate(rng_state)
         summary["labels"] = {**_label_stats(examples), "seconds": time.time() - start}
         peft_model = new_prm(model, r=p.r, alpha=p.alpha, target_modules=list(p.target_modules), init_seed=cfg.seed)
         head = make_head(p.head, model.config.hidden_size, tokenizer, p.good_token, p.bad_token).to(device)
+        gathered = None
+        if sharded:
+            check_same_weights([peft_model, head], ranks)
+            gathered = GatheredModel(peft_model, ranks)  # rank 0's plain copy, made before sharding
+            shard_model(peft_model, DTYPES[cfg.model.dtype])
         summary["train"] = train_prm(peft_model, head, examples, steps=p.steps, batch_rows=p.batch_rows, lr=p.lr,
                                      warmup_steps=p.warmup_steps, pad_token_id=tokenizer.pad_token_id,
-                                     device=device, seed=cfg.seed, logger=logger, negative_weight=p.negative_weight)
+                                     device=device, seed=cfg.seed, logger=logger, negative_weight=p.negative_weight,
+                                     ranks=ranks)
         scorer = LearnedStepScorer(peft_model, head, boundaries.delimiter_ids, boundaries.eos_token_id,
                                    p.chunk_rows, boundaries.blank_ids)
         start = time.time()
-        summary["eval"] = evaluate_prm(scorer, task, tokenizer, test, candidates, rng)
+        summary["eval"] = evaluate_prm(scorer, task, tokenizer, task.problems("test")[: p.eval_problems], candidates,
+                                       rng)
         summary["eval"]["seconds"] = time.time() - start
         logger.log(p.steps, {f"prm_eval/{k}": v for k, v in summary["eval"].items()}, echo=True)
-    tmp = artifacts.staging_dir(final)
-    save_prm(tmp, peft_model, head)
-    artifacts.publish(tmp, final, cfg, "prm", summary)
+    full = peft_model if gathered is None else gathered.full()  # a collective: every rank joins
+    if ranks.is_main:
+        tmp = artifacts.staging_dir(final)
+        save_prm(tmp, full, head)
+        artifacts.publish(tmp, final, cfg, "prm", summary)
+    ranks.barrier()  # the others return once the artifact is published
     return final, summary
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict:
-    """Stage `prm`: the SFT checkpoint (reused or trained), then a freshly trained PRM."""
+    """Stage `prm`: the SFT checkpoint (reused or trained), then a freshly trained PRM. Under `topology=fsdp`
+    every rank runs this (torchrun); rank 0 writes the results."""
 
     start = time.time()
     task = build(cfg.task, "task")
     check_label_source(task, cfg.prm_train.label_source)  # refused before SFT or any weights
-    sft_checkpoint, _ = ensure_sft(cfg, task, run_dir, reuse=True)
-    _, summary = ensure_prm(cfg, task, run_dir, sft_checkpoint, reuse=False)
-    summary["wall_seconds"] = time.time() - start
-    write_stage_result(run_dir, cfg, "prm", summary)
-    return summary
+    ranks = open_ranks(cfg, run_dir)
+    try:
+        sft_checkpoint, _ = ensure_sft(cfg, task, run_dir, reuse=True, ranks=ranks)
+        _, summary = ensure_prm(cfg, task, run_dir, sft_checkpoint, reuse=False, ranks=ranks)
+        summary["wall_seconds"] = time.time() - start
+        if ranks.is_main:
+            write_stage_result(run_dir, cfg, "prm", summary)
+        return summary
+    finally:
+        close_ranks(ranks)

@@ -3,13 +3,25 @@
     python -m prmppo stage=sft                      # embedded default: tiny model, arith task
     python -m prmppo stage=sft sft.steps=3000       # longer
     python -m prmppo stage=sft model=hf model.path=/ckpt/mistral-7b sft.steps=0   # accept as is
+    torchrun --nproc_per_node=2 -m prmppo stage=sft topology=fsdp hydra.run.dir=runs/sft2   # 2 FSDP2 ranks
 
 Implements next-token cross-entropy on response tokens only (prompt tokens are context, not
 targets), AdamW with a warmup-cosine schedule, batches drawn uniformly with replacement from
-the `sft` split with a seeded generator. Simplifications: one device, no packing (rows are
-right-padded to the batch's longest), no gradient accumulation (the tiny model fits).
+the `sft` split with a seeded generator. Simplifications: no packing (rows are right-padded to
+the batch's longest), no gradient accumulation (the tiny model fits).
 At the end it scores greedy accuracy on the `test` split (the RL prompt distribution) and on
 held-out SFT-distribution problems, and saves an HF-layout checkpoint that later stages load.
+
+Several ranks (`topology=fsdp`, `dist/`): data parallel over the ranks with the model sharded by
+FSDP2 (fp32 weights, per decoder block and at the root, computing in `model.dtype`). Every rank
+draws the same `sft.batch_rows` rows from the same seeded generator and trains on its own
+`batch_rows / N` of them; the loss is the summed cross-entropy over the global count of response
+tokens (all-reduced), and FSDP sums the gradients, so a step of N ranks is the one-process step up
+to float summation order; gradients are clipped on their global norm. The evaluation runs on every
+rank through the sharded model, as PPO's canary does (same problems and seeds, so every rank
+generates the same tokens and FSDP's all-gathers meet); rank 0 records it. Rank 0 alone holds the
+artifact's build lock, gathers the full weights into a plain copy and publishes the HF-layout
+checkpoint (in `model.dtype`); the other ranks wait on a barrier.
 """
 
 from __future__ import annotations
@@ -25,12 +37,16 @@ from omegaconf import DictConfig
 
 from prmppo import artifacts
 from prmppo.config.build import build
+from prmppo.dist.launch import close_ranks
+from prmppo.dist.ranks import OneProcess, TorchRanks
+from prmppo.dist.shard import GatheredModel, check_same_weights, clip_global_norm, shard_model
 from prmppo.errors import PrmppoError
 from prmppo.evaluation import score
 from prmppo.logger.console import log_milestone, progress as progress_bar
-from prmppo.models.loading import load_model, load_tokenizer
+from prmppo.logger import DiscardMetrics
+from prmppo.models.loading import DTYPES, load_model, load_tokenizer
 from prmppo.ppo.maths import make_scheduler
-from prmppo.stages.common import open_metrics, train_device, write_stage_result
+from prmppo.stages.common import open_metrics, open_ranks, train_device, write_stage_result
 
 log = logging.getLogger("prmppo")
 
@@ -67,24 +83,36 @@ class SFTBatchSource:
             label_tensor[i, : len(lab)] = torch.tensor(lab)
         return cls(input_ids, label_tensor, torch.tensor([len(r) for r in rows]))
 
-    def sample(self, batch_rows: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample(self, batch_rows: int, generator: torch.Generator, rank: int = 0,
+               world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """`batch_rows` rows drawn with replacement; of them, the `rank`-th of `world_size` equal slices (every
+        rank draws the same rows from its own copy of the same generator). [batch_rows / world_size, L]"""
         idx = torch.randint(len(self.lengths), (batch_rows,), generator=generator)
-        width = int(self.lengths[idx].max())  # trim the shared padding to this batch's longest row
+        idx = idx.view(world_size, -1)[rank]  # validate.py: batch_rows divides by world_size
+        width = int(self.lengths[idx].max())  # trim the shared padding to these rows' longest
         return self.input_ids[idx, :width], self.labels[idx, :width]
+
+
+def response_loss_sum(model, input_ids: torch.Tensor, labels: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """Summed next-token cross-entropy over response tokens. input_ids, labels: [B, L]."""
+    attention_mask = (labels != IGNORE) | (input_ids != pad_token_id)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask.long()).logits  # [B, L, V]
+    # position t predicts token t+1
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE,
+                           reduction="sum")
 
 
 def response_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, pad_token_id: int) -> torch.Tensor:
     """Mean next-token cross-entropy over response tokens. input_ids, labels: [B, L]."""
-    attention_mask = (labels != IGNORE) | (input_ids != pad_token_id)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask.long()).logits  # [B, L, V]
-    # position t predicts token t+1
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE)
+    return response_loss_sum(model, input_ids, labels, pad_token_id) / (labels[:, 1:] != IGNORE).sum()
 
 
 def train_sft(model, source: SFTBatchSource, *, steps: int, batch_rows: int, lr: float, warmup_steps: int,
               min_lr_ratio: float, weight_decay: float, grad_clip: float, pad_token_id: int,
-              device: torch.device, seed: int, logger, log_every: int = 25) -> dict:
-    """Run `steps` optimizer steps; log loss / lr / tokens per second; return summary stats."""
+              device: torch.device, seed: int, logger, ranks=None, log_every: int = 25) -> dict:
+    """Run `steps` optimizer steps; log loss / lr / tokens per second; return summary stats. `ranks`: one
+    process when None; under `topology=fsdp` each rank trains on its share of every batch (module docstring)."""
+    ranks = ranks if ranks is not None else OneProcess(device)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
     scheduler = make_scheduler(optimizer, total_steps=steps, warmup_steps=warmup_steps, min_ratio=min_lr_ratio)
@@ -92,22 +120,25 @@ def train_sft(model, source: SFTBatchSource, *, steps: int, batch_rows: int, lr:
     start, tokens, loss_ema = time.time(), 0, None
     progress = progress_bar(range(steps), desc="sft", unit="step", enabled=logger.console)
     for step in progress:
-        input_ids, labels = source.sample(batch_rows, generator)
+        input_ids, labels = source.sample(batch_rows, generator, ranks.rank, ranks.world_size)
         input_ids, labels = input_ids.to(device), labels.to(device)
-        loss = response_loss(model, input_ids, labels, pad_token_id)
+        # the denominator is the batch's response tokens over every rank: each rank's loss is its share of the mean
+        step_tokens = ranks.sum_floats({"tokens": float((labels[:, 1:] != IGNORE).sum())})["tokens"]
+        loss = response_loss_sum(model, input_ids, labels, pad_token_id) / step_tokens
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        grad_norm = clip_global_norm(list(model.parameters()), grad_clip)
         optimizer.step()
         scheduler.step()
-        tokens += int((labels != IGNORE).sum())
-        loss_value = loss.item()
+        tokens += int(step_tokens)
+        loss_value = ranks.sum_floats({"loss": loss.item()})["loss"]
         loss_ema = loss_value if loss_ema is None else 0.9 * loss_ema + 0.1 * loss_value
         log_milestone("sft", step, steps, {"loss": loss_ema}, logger.console)
         if step % log_every == 0 or step == steps - 1:
             elapsed = time.time() - start
             logger.log(step, {"sft/loss": loss_value, "sft/lr": scheduler.get_last_lr()[0],
-                              "sft/grad_norm": float(grad_norm), "perf/tokens_per_s": tokens / max(elapsed, 1e-9)})
+                              "sft/grad_norm": ranks.scalar(grad_norm),
+                              "perf/tokens_per_s": tokens / max(elapsed, 1e-9)})
             progress.set_postfix(loss=f"{loss_ema:.3f}")
     model.eval()
     return {"final_loss_ema": loss_ema, "train_seconds": time.time() - start, "response_tokens": tokens}
@@ -116,33 +147,40 @@ def train_sft(model, source: SFTBatchSource, *, steps: int, batch_rows: int, lr:
 # --------------------------------------------------------------------------- the stage
 
 
-def _greedy(model, tokenizer, task, problems, cfg: DictConfig) -> dict:
+def _greedy(model, tokenizer, task, problems, cfg: DictConfig, show_progress: bool) -> dict:
     return score(model, tokenizer, task, problems, k=0, temperature=cfg.eval.temperature,
                  max_new_tokens=cfg.sft.max_new_tokens, batch_rows=cfg.eval.batch_rows, seed=cfg.seed,
-                 show_progress=cfg.logger.console)
+                 show_progress=show_progress)
 
 
-def ensure_sft(cfg: DictConfig, task, run_dir: Path, reuse: bool) -> tuple[Path, dict]:
+def ensure_sft(cfg: DictConfig, task, run_dir: Path, reuse: bool, ranks=None) -> tuple[Path, dict]:
     """The SFT checkpoint for this config, built under its artifact lock (parallel runs that need the
-    same one wait for the first to build it, then reuse it); see `_ensure_sft_locked`."""
-    with artifacts.building(artifacts.artifact_dir(cfg, "sft")):
-        return _ensure_sft_locked(cfg, task, run_dir, reuse)
+    same one wait for the first to build it, then reuse it); see `_ensure_sft_locked`. `ranks`: one
+    process when None; under `topology=fsdp` every rank calls this and rank 0 alone takes the lock."""
+    ranks = ranks if ranks is not None else OneProcess(train_device(cfg))
+    with artifacts.building_on_main(artifacts.artifact_dir(cfg, "sft"), ranks.is_main):
+        return _ensure_sft_locked(cfg, task, run_dir, reuse, ranks)
 
 
-def _ensure_sft_locked(cfg: DictConfig, task, run_dir: Path, reuse: bool) -> tuple[Path, dict]:
-    """The SFT checkpoint for this config: reused when `reuse` and it exists, else trained."""
+def _ensure_sft_locked(cfg: DictConfig, task, run_dir: Path, reuse: bool, ranks) -> tuple[Path, dict]:
+    """The SFT checkpoint for this config: reused when `reuse` and it exists (rank 0's word), else trained."""
     final = artifacts.artifact_dir(cfg, "sft")
-    if reuse and artifacts.artifact_ready(final):
+    if ranks.from_main(lambda: reuse and artifacts.artifact_ready(final)):
         log.info("reusing SFT checkpoint %s (same task/model/sft config)", final)
         return final, {"reused": True, "checkpoint": str(final)}
     source = build(cfg.model, "model source")
-    init_dir = source.materialize(task, run_dir / "init_model")
-    device = train_device(cfg)
+    init_dir = ranks.main_first(lambda: source.materialize(task, run_dir / "init_model"))  # rank 0 writes it
     tokenizer = load_tokenizer(init_dir)
-    model = load_model(init_dir, cfg.model.dtype, device)
+    sharded = isinstance(ranks, TorchRanks)
+    model = load_model(init_dir, "float32" if sharded else cfg.model.dtype, ranks.device)  # N ranks: fp32 masters
     summary: dict = {"checkpoint": str(final), "init": str(init_dir),
                      "parameters": sum(p.numel() for p in model.parameters())}
-    with open_metrics(cfg, run_dir, "sft") as logger:
+    gathered = None
+    if sharded:
+        check_same_weights([model], ranks)
+        gathered = GatheredModel(model, ranks)  # rank 0's plain copy, made before sharding
+        shard_model(model, DTYPES[cfg.model.dtype])
+    with open_metrics(cfg, run_dir, "sft") if ranks.is_main else DiscardMetrics() as logger:
         if cfg.sft.steps > 0:
             batches = SFTBatchSource.build(task, task.problems("sft"), tokenizer,
                                            model.config.max_position_embeddings)
@@ -150,28 +188,43 @@ def _ensure_sft_locked(cfg: DictConfig, task, run_dir: Path, reuse: bool) -> tup
                 model, batches, steps=cfg.sft.steps, batch_rows=cfg.sft.batch_rows, lr=cfg.sft.lr,
                 warmup_steps=cfg.sft.warmup_steps, min_lr_ratio=cfg.sft.min_lr_ratio,
                 weight_decay=cfg.sft.weight_decay, grad_clip=cfg.sft.grad_clip,
-                pad_token_id=tokenizer.pad_token_id, device=device, seed=cfg.seed, logger=logger))
+                pad_token_id=tokenizer.pad_token_id, device=ranks.device, seed=cfg.seed, logger=logger,
+                ranks=ranks))
         if cfg.sft.eval_problems > 0:
-            start = time.time()
-            summary["test"] = _greedy(model, tokenizer, task, task.problems("test")[: cfg.sft.eval_problems], cfg)
-            summary["sft_distribution"] = _greedy(model, tokenizer, task,
-                                                  task.problems("sft")[-cfg.sft.eval_problems:], cfg)
-            summary["eval_seconds"] = time.time() - start
-            logger.log(cfg.sft.steps, {"eval/test_greedy_accuracy": summary["test"]["greedy_accuracy"],
-                                       "eval/sft_greedy_accuracy": summary["sft_distribution"]["greedy_accuracy"]},
-                       echo=True)
-    tmp = artifacts.staging_dir(final)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    artifacts.publish(tmp, final, cfg, "sft", summary)
+            summary.update(_evaluate(cfg, task, tokenizer, model, logger))
+    full = model if gathered is None else gathered.full()  # a collective: every rank joins
+    if ranks.is_main:
+        tmp = artifacts.staging_dir(final)
+        full.to(DTYPES[cfg.model.dtype]).save_pretrained(tmp)  # N ranks: the fp32 masters in model.dtype
+        tokenizer.save_pretrained(tmp)
+        artifacts.publish(tmp, final, cfg, "sft", summary)
+    ranks.barrier()  # the others return once the artifact is published
     return final, summary
 
 
+def _evaluate(cfg: DictConfig, task, tokenizer, model, logger) -> dict:
+    """Greedy accuracy on the first `sft.eval_problems` test problems and the last ones of the sft split
+    (on every rank; `logger` is rank 0's)."""
+    start, n = time.time(), cfg.sft.eval_problems
+    result = {"test": _greedy(model, tokenizer, task, task.problems("test")[:n], cfg, logger.console),
+              "sft_distribution": _greedy(model, tokenizer, task, task.problems("sft")[-n:], cfg, logger.console)}
+    result["eval_seconds"] = time.time() - start
+    logger.log(cfg.sft.steps, {"eval/test_greedy_accuracy": result["test"]["greedy_accuracy"],
+                               "eval/sft_greedy_accuracy": result["sft_distribution"]["greedy_accuracy"]}, echo=True)
+    return result
+
+
 def run(cfg: DictConfig, run_dir: Path) -> dict:
-    """Stage `sft`: a freshly trained SFT checkpoint (published as this config's artifact)."""
+    """Stage `sft`: a freshly trained SFT checkpoint (published as this config's artifact). Under
+    `topology=fsdp` every rank runs this (torchrun); rank 0 writes the results."""
     start = time.time()
     task = build(cfg.task, "task")
-    _, summary = ensure_sft(cfg, task, run_dir, reuse=False)
-    summary["wall_seconds"] = time.time() - start
-    write_stage_result(run_dir, cfg, "sft", summary)
-    return summary
+    ranks = open_ranks(cfg, run_dir)
+    try:
+        _, summary = ensure_sft(cfg, task, run_dir, reuse=False, ranks=ranks)
+        summary["wall_seconds"] = time.time() - start
+        if ranks.is_main:
+            write_stage_result(run_dir, cfg, "sft", summary)
+        return summary
+    finally:
+        close_ranks(ranks)
