@@ -62,11 +62,12 @@ def artifact_ready(path: Path) -> bool:
 
 @contextmanager
 def building(final: Path) -> Iterator[None]:
-    """Hold `final`'s build lock (an flock on `<final>.lock`, released when the process ends, however it
-    ends): check `artifact_ready` and build inside it, so that two runs never build the same artifact
-    into one staging directory at once."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with open(final.with_name(final.name + ".lock"), "a") as handle:
+    """Hold `final`'s build lock (an flock on `.locks/<final name>.lock` beside it, released when the
+    process ends, however it ends): check `artifact_ready` and build inside it, so that two runs never
+    build the same artifact into one staging directory at once."""
+    locks = final.parent / ".locks"  # apart from the artifacts, so that `<stage>-*` names only artifacts
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{final.name}.lock", "a") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

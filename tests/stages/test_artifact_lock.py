@@ -35,4 +35,5 @@ def test_concurrent_runs_build_the_sft_artifact_once(smoke_cfg, tmp_path):
     final = artifacts.artifact_dir(cfg, "sft")
     assert artifacts.artifact_ready(final)
     leftovers = sorted(p.name for p in final.parent.iterdir() if p.name != final.name)
-    assert leftovers == [final.name + ".lock"], leftovers  # no staging dir left behind
+    assert leftovers == [".locks"], leftovers  # no staging dir left behind; the lock apart from the artifacts
+    assert [p.name for p in (final.parent / ".locks").iterdir()] == [final.name + ".lock"]
