@@ -22,6 +22,7 @@ from transformers.utils import logging as hf_logging
 from prmppo.config.validate import validate_config
 from prmppo.dist.launch import check_launch
 from prmppo.stages import STAGES
+from prmppo.logger import laps
 from prmppo.stages.common import record_start
 
 log = logging.getLogger("prmppo")
@@ -29,6 +30,7 @@ log = logging.getLogger("prmppo")
 
 def run(cfg: DictConfig) -> dict:
     """Validate `cfg` and run the stage it names; returns the stage's result summary."""
+    laps.job_started()  # a sweep worker that runs several jobs counts each one's start-up from its start
     validate_config(cfg)  # also refuses a `_target_` outside the allowed packages
     stage = STAGES[cfg.stage.name]  # validate_config refused stages without a runner
     check_launch(cfg.topology.name, cfg.topology.train_world_size)

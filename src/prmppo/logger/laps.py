@@ -7,7 +7,9 @@
 
 `as_dict()` holds each lap's seconds, `before_first_lap` (from the process's start, as the OS
 records it, to the first lap: interpreter start, imports, config composition, the stage's earlier
-work) and `total` (from the process's start to the end of the last lap).
+work) and `total` (from the process's start to the end of the last lap). A process that runs several
+jobs one after another (a sweep launcher's reused worker) counts each later job's start-up from that
+job's start (`job_started`, called by `app.run`), not from the process's.
 """
 
 from __future__ import annotations
@@ -16,6 +18,22 @@ import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
+
+
+_jobs = {"count": 0, "latest": None}
+
+
+def job_started() -> None:
+    """Record that a job begins in this process (`app.run`); from the second job on, start-up counts from it."""
+    _jobs["count"] += 1
+    _jobs["latest"] = time.time()
+
+
+def startup_origin() -> float | None:
+    """When this job's start-up began: the process's start for its first job, the job's start after that."""
+    if _jobs["count"] > 1:
+        return _jobs["latest"]
+    return process_start_time()
 
 
 def process_start_time() -> float | None:
@@ -51,10 +69,10 @@ class Laps:
             self._laps[name] = self._last_end - start
 
     def as_dict(self) -> dict[str, float]:
-        """{lap: seconds, ..., "before_first_lap": s or None, "total": s from process start (or first lap)}."""
+        """{lap: seconds, ..., "before_first_lap": s or None, "total": s from the start-up's origin (or first lap)}."""
         if self._first_start is None:
             return {}
-        started = process_start_time()
+        started = startup_origin()
         before = None if started is None else max(self._first_start - started, 0.0)
         total = self._last_end - (started if started is not None else self._first_start)
         return {**{name: round(s, 3) for name, s in self._laps.items()},
