@@ -85,10 +85,12 @@ def _figure_legend(fig: Figure, axes) -> None:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             entries.setdefault(label, handle)
     if entries:
-        fig.legend(list(entries.values()), list(entries), loc="outside lower center", ncols=min(4, len(entries)),
-                   fontsize=8)
+        # as many columns as fit the figure's width at ~12 characters an inch (fontsize 8), at most 4
+        fits = int(fig.get_figwidth() * 12 // max(len(label) for label in entries))
+        fig.legend(list(entries.values()), list(entries), loc="outside lower center",
+                   ncols=max(1, min(4, len(entries), fits)), fontsize=8)
 
 
 def save(fig: Figure, path: Path) -> Path:
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     return path
