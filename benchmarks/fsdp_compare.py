@@ -5,6 +5,9 @@
     python benchmarks/fsdp_compare.py --model /tmp/q05 --data-dir ../shared/data/gsm8k --nproc 1 \
         --engine-device cuda:1                                                                     # a dedicated engine GPU
     python benchmarks/fsdp_compare.py --shape-cpu --iterations 3                                   # tiny model, CPU, gloo
+    python benchmarks/fsdp_compare.py --shape-cpu --nproc 4 ppo.micro_batch_rows=1                 # 4 gloo ranks
+
+Arguments after the options are overrides given to both sides.
 
 Each side is `stage=ppo` of the same config (`task=gsm8k arm=orm`, `model=hf` on `--model`, LoRA or full
 fine-tuning, `--prompts` x `--group` completions of `--new-tokens`, one optimizer step per
@@ -52,6 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--iterations", type=int, default=4, help="PPO iterations per side (the first is warm-up)")
     parser.add_argument("--sides", default="gpu,fsdp")
     parser.add_argument("--out", default="runs/fsdp_compare")
+    parser.add_argument("overrides", nargs="*", help="config overrides for both sides, e.g. ppo.micro_batch_rows=1")
     args = parser.parse_args(argv)
     if not args.shape_cpu and not (args.model and args.data_dir):
         parser.error("give --model and --data-dir (or --shape-cpu)")
@@ -76,8 +80,8 @@ def overrides(args, run_dir: Path, side: str) -> list[str]:
         devices = [f"topology.engine_device={engine}", f"topology.colocated={str(engine == 'cuda:0').lower()}"]
     if side == "gpu":
         return [*common, *shape, "topology=cpu" if args.shape_cpu else "topology=gpu",
-                *([] if args.shape_cpu else devices)]
-    return [*common, *shape, "topology=fsdp", f"topology.train_world_size={args.nproc}", *devices]
+                *([] if args.shape_cpu else devices), *args.overrides]
+    return [*common, *shape, "topology=fsdp", f"topology.train_world_size={args.nproc}", *devices, *args.overrides]
 
 
 class PeakGPUMemory:
