@@ -6,18 +6,20 @@
 # The first job of each seed trains its SFT checkpoint and PRM; the others wait on the artifact lock.
 #   bash experiments/prm_vs_orm_arith/run.sh                    # CPU: give each job a core (OMP_NUM_THREADS=1)
 #   bash experiments/prm_vs_orm_arith/run.sh topology=gpu       # one GPU: tiny-model jobs share it
-# JOBS1 / JOBS2: jobs at a time in chain 1 / 2 (default 10 / 5); SEEDS (default 0,1,2,3,4); MULTIRUN: the sweeps' parent dir.
+# JOBS1 / JOBS2: jobs at a time in chain 1 / 2 (default 10 / 5); SEEDS (default 0,1,2,3,4); MULTIRUN: the sweeps'
+# parent dir (default multirun/$EXPERIMENT); EXPERIMENT (default prm_vs_orm_arith; prm_vs_orm_sparse runs the same four).
 # Then: python -m prmppo.report multirun/prm_vs_orm_arith --out experiments/prm_vs_orm_arith --name RESULTS.md
 set -u
 JOBS1=${JOBS1:-10}
 JOBS2=${JOBS2:-5}
-ROOT=${MULTIRUN:-multirun/prm_vs_orm_arith}
+EXPERIMENT=${EXPERIMENT:-prm_vs_orm_arith}
+ROOT=${MULTIRUN:-multirun/$EXPERIMENT}
 SEEDS=seed=${SEEDS:-0,1,2,3,4}
 mkdir -p "$ROOT"
 sweep() {  # sweep <name> <jobs at a time> <overrides...>
   local name=$1 jobs=$2
   shift 2
-  python -m prmppo -m sweep=parallel experiment=prm_vs_orm_arith logger.console=false hydra.launcher.n_jobs="$jobs" \
+  python -m prmppo -m sweep=parallel experiment="$EXPERIMENT" logger.console=false hydra.launcher.n_jobs="$jobs" \
     "$@" hydra.sweep.dir="$ROOT/$name" > "$ROOT/$name.log" 2>&1
   echo "$(date -u +%H:%M:%S) $name exit $?" >> "$ROOT/progress.log"
 }
