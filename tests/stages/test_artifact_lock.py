@@ -23,12 +23,12 @@ def _ensure(cfg, run_dir: str, start, results) -> None:
 
 def test_concurrent_runs_build_the_sft_artifact_once(smoke_cfg, tmp_path):
     cfg = smoke_cfg("stage=sft")
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("spawn")  # fresh interpreters: forking a process whose torch thread pool is live can crash
     start, results = ctx.Barrier(2), ctx.Queue()
     procs = [ctx.Process(target=_ensure, args=(cfg, str(tmp_path / f"run{i}"), start, results)) for i in range(2)]
     for p in procs:
         p.start()
-    outcomes = sorted(results.get(timeout=600) for _ in procs)
+    outcomes = sorted(results.get(timeout=300) for _ in procs)
     for p in procs:
         p.join(timeout=60)
     assert outcomes == [("ok", False), ("ok", True)], outcomes  # one trained, one reused
