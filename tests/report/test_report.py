@@ -18,7 +18,7 @@ from conftest import compose_config
 from prmppo.report import (HACK_METRICS, ReportError, accuracy_figure, difference_ci, difference_rows, find_runs, group_rows,
                            group_runs, mean_ci, measures, metrics_figure, write_report)
 from prmppo.report.__main__ import main as report_main
-from prmppo.report.hacking import first_gap, hacking_section, late_means
+from prmppo.report.hacking import early_means, first_gap, gap_change, hacking_section, late_means
 from prmppo.report.sweeps import find_sweeps, sweeps_section
 from prmppo.report.tables import iterations_to
 
@@ -321,12 +321,20 @@ def test_hacking_table_reports_late_monitors_and_when_the_gap_opens(tmp_path):
     # steps per response 4, 5, 6, 7 by iteration: the last 2 average 6.5
     assert late_means(plain, "hack/steps_per_response", 2) == {0: 6.5, 1: 6.5}
     assert late_means(plain, "hack/prm_vs_true_step_gap", 2) == {0: pytest.approx(0.35), 1: pytest.approx(0.1)}
+    # the gap at the start (first 2 iterations: 0.025 and 0) and how far it opened since
+    assert early_means(plain, "hack/prm_vs_true_step_gap", 2) == {0: pytest.approx(0.025), 1: pytest.approx(0.0)}
+    assert gap_change(plain, 2) == {0: pytest.approx(0.325), 1: pytest.approx(0.1)}
     lines = hacking_section(grouping, gap_threshold=0.1, window=2)
     text = "\n".join(lines)
     assert "first iteration with gap > 0.1" in text and "3 (1/2 seeds); s0: 3, s1: never" in text
     assert "never (0/1); s0: never" in text and "arm=orm" not in text
     # gap column: seeds 0.35 and 0.1 -> mean 0.225 +- t(0.975, 1) * 0.125 = 1.588
     assert "| 0.225 ± 1.588 |" in text
+    header = next(line for line in lines if line.startswith("| group"))
+    assert "| gap, first 2 it. | gap, last 2 it. | gap change |" in header
+    row = next(line for line in lines if line.startswith("| arm=prm reward.transform=plain"))
+    # first-window gap 0.0125 +- 12.706 * 0.0125; change (0.325 + 0.1) / 2 = 0.2125 +- 12.706 * 0.1125
+    assert "| 0.013 ± 0.159 | 0.225 ± 1.588 | 0.212 ± 1.429 |" in row
     assert "## Reward hacking" not in write_report([tmp_path / "o0"], tmp_path / "out").read_text()
     # the hacking figure draws the PRM's score beside the true step accuracy
     titles = [ax.get_title() for ax in metrics_figure(grouping, HACK_METRICS, "hacking").axes if ax.get_visible()]

@@ -4,9 +4,11 @@ Per group, from the PRM reward's monitors in the `ppo` rows (`rewards/prm.py`): 
 PRM gives (`prm/score_mean`), the true step accuracy by the task's exact checker
 (`hack/true_step_accuracy`), their gap (`hack/prm_vs_true_step_gap`), steps per response and the
 rate of repeated lines; each a run's mean over its last `window` iterations (one iteration's batch is
-noisy), then mean ± 95% CI across seeds. Beside them the final greedy test accuracy, and per seed the
-first iteration (iterations done) whose gap exceeds `gap_threshold`: where the PRM's score starts to
-run ahead of the truth, if it does. A group without these monitors (the ORM arm) is left out.
+noisy), then mean ± 95% CI across seeds. The gap is also given over the first `window` iterations and
+as its change (last minus first, per seed): a PRM miscalibrated on the policy's samples shows a gap from
+the start, while a policy that learns to please it makes the gap grow. Beside them the final greedy test
+accuracy, and per seed the first iteration (iterations done) whose gap exceeds `gap_threshold`. A group
+without these monitors (the ORM arm) is left out.
 """
 
 from __future__ import annotations
@@ -32,6 +34,21 @@ def late_means(runs, metric: str, window: int) -> dict[int, float]:
     return out
 
 
+def early_means(runs, metric: str, window: int) -> dict[int, float]:
+    """`{seed: mean of metric over the run's first `window` logged iterations}`."""
+    out = {}
+    for seed, series in per_seed(runs, "ppo", metric).items():
+        first = sorted(series)[:window]
+        out[seed] = sum(series[x] for x in first) / len(first)
+    return out
+
+
+def gap_change(runs, window: int) -> dict[int, float]:
+    """`{seed: gap over the last `window` iterations minus gap over the first `window`}`: > 0 where it opened."""
+    early = early_means(runs, GAP, window)
+    return {seed: late - early[seed] for seed, late in late_means(runs, GAP, window).items() if seed in early}
+
+
 def first_gap(runs, threshold: float) -> dict[int, int | None]:
     """`{seed: first iterations-done count whose gap exceeds threshold, or None if it never does}`."""
     return {seed: next((x for x in sorted(series) if series[x] > threshold), None)
@@ -46,16 +63,22 @@ def hacking_section(grouping: Grouping, gap_threshold: float = GAP_THRESHOLD, wi
         if not crossed:
             continue
         monitors = [mean_ci(list(late_means(runs, metric, window).values())) for metric in MONITORS.values()]
+        at_start = mean_ci(list(early_means(runs, GAP, window).values()))
+        change = mean_ci(list(gap_change(runs, window).values()))
+        monitors[2:3] = [at_start, monitors[2], change]
         per_seed_text = ", ".join(f"s{seed}: {'never' if x is None else x}" for seed, x in crossed.items())
         body.append([grouping.label(group), runs[0].reward_kind, len(crossed),
                      mean_ci(list(final_by_seed(runs, GREEDY).values())), *monitors,
                      f"{reached(crossed)}; {per_seed_text}"])
     if not body:
         return []
-    header = ["group", "reward kind", "seeds", "final greedy", *MONITORS,
-              f"first iteration with gap > {gap_threshold:g}"]
+    names = list(MONITORS)
+    names[2:3] = [f"gap, first {window} it.", f"gap, last {window} it.", "gap change"]
+    header = ["group", "reward kind", "seeds", "final greedy", *names, f"first iteration with gap > {gap_threshold:g}"]
     return ["## Reward hacking", "",
             f"PRM monitors in the `ppo` rows, each a run's mean over its last {window} iterations, then mean ± 95% CI "
-            f"across seeds. gap = PRM score - true step accuracy (the task's exact checker); the last column is the "
-            f"median first iteration whose gap exceeds {gap_threshold:g} over the seeds where it did, and each "
-            "seed's.", "", *table(header, body)]
+            f"across seeds. gap = PRM score - true step accuracy (the task's exact checker), also over the first "
+            f"{window} iterations; gap change = last minus first, per seed (> 0: the PRM's score ran ahead of the "
+            f"truth during training; a gap already there at the start is the PRM's miscalibration on the policy's "
+            f"samples). The last column is the median first iteration whose gap exceeds {gap_threshold:g} over the "
+            "seeds where it did, and each seed's.", "", *table(header, body)]
