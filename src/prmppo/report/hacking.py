@@ -65,15 +65,16 @@ def hacking_section(grouping: Grouping, gap_threshold: float = GAP_THRESHOLD, wi
         monitors = [mean_ci(list(late_means(runs, metric, window).values())) for metric in MONITORS.values()]
         at_start = mean_ci(list(early_means(runs, GAP, window).values()))
         change = mean_ci(list(gap_change(runs, window).values()))
-        monitors[2:3] = [at_start, monitors[2], change]
+        at = list(MONITORS).index("gap")
+        monitors[at:at + 1] = [at_start, monitors[at], change]
         per_seed_text = ", ".join(f"s{seed}: {'never' if x is None else x}" for seed, x in crossed.items())
         body.append([grouping.label(group), runs[0].reward_kind, len(crossed),
                      mean_ci(list(final_by_seed(runs, GREEDY).values())), *monitors,
                      f"{reached(crossed)}; {per_seed_text}"])
     if not body:
         return []
-    names = list(MONITORS)
-    names[2:3] = [f"gap, first {window} it.", f"gap, last {window} it.", "gap change"]
+    names, at = list(MONITORS), list(MONITORS).index("gap")
+    names[at:at + 1] = [f"gap, first {window} it.", f"gap, last {window} it.", "gap change"]
     header = ["group", "reward kind", "seeds", "final greedy", *names, f"first iteration with gap > {gap_threshold:g}"]
     return ["## Reward hacking", "",
             f"PRM monitors in the `ppo` rows, each a run's mean over its last {window} iterations, then mean ± 95% CI "
