@@ -26,14 +26,12 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from torch import nn
 
+from prmppo.__main__ import CONF_DIR
 from prmppo.config.build import build
 from prmppo.config.store import register_schemas
 from prmppo.models.loading import load_model, load_tokenizer
 from prmppo.rewards.steps import StepBoundaries
 from prmppo.stages.prm import _samples, _train_batch, evaluate_prm, step_bce
-
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
-
 
 def parse_args() -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -67,7 +65,7 @@ def features(model, ids, att, pos, plen: int, ends: torch.Tensor) -> torch.Tenso
     b, t = tokens.shape
     flat = (torch.arange(b).unsqueeze(1) * (t + 1) + segment).flatten()  # [b*T]: (row, step) slot
     slots = b * (t + 1)
-    lowest = torch.full((slots,), 0.0).scatter_reduce(0, flat, logprobs.masked_fill(~valid, 0.0).flatten(), "amin")
+    lowest = torch.full((slots,), 0.0).scatter_reduce(0, flat, logprobs.flatten(), "amin")
     total = torch.zeros(slots).index_add(0, flat, logprobs.flatten())
     count = torch.zeros(slots).index_add(0, flat, valid.float().flatten()).clamp(min=1)
     stats = torch.stack([lowest[flat], (total / count)[flat], logprobs.flatten(), count[flat]], -1).view(b, t, 4)
@@ -122,7 +120,7 @@ def train_head(head: ProbeHead, feats, labels, *, epochs: int, negative_weight: 
 
 
 class ProbeScorer:
-    """`StepScorer` for the evaluation: the frozen model's hidden states through a trained probe head."""
+    """`StepScorer` for the evaluation: the frozen model's `features` through a trained probe head."""
 
     def __init__(self, model, head: ProbeHead, boundaries: StepBoundaries, rows: int):
         self.model, self.head, self.boundaries, self.rows = model, head, boundaries, rows

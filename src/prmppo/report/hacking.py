@@ -25,22 +25,23 @@ GAP_THRESHOLD = 0.1  # score minus true step accuracy; the report's --gap-thresh
 WINDOW = 10  # last iterations averaged per run
 
 
-def late_means(runs, metric: str, window: int) -> dict[int, float]:
-    """`{seed: mean of metric over the run's last `window` logged iterations}`."""
+def _window_means(runs, metric: str, window: int, last: bool) -> dict[int, float]:
     out = {}
     for seed, series in per_seed(runs, "ppo", metric).items():
-        last = sorted(series)[-window:]
-        out[seed] = sum(series[x] for x in last) / len(last)
+        xs = sorted(series)
+        xs = xs[-window:] if last else xs[:window]
+        out[seed] = sum(series[x] for x in xs) / len(xs)
     return out
+
+
+def late_means(runs, metric: str, window: int) -> dict[int, float]:
+    """`{seed: mean of metric over the run's last `window` logged iterations}`."""
+    return _window_means(runs, metric, window, last=True)
 
 
 def early_means(runs, metric: str, window: int) -> dict[int, float]:
     """`{seed: mean of metric over the run's first `window` logged iterations}`."""
-    out = {}
-    for seed, series in per_seed(runs, "ppo", metric).items():
-        first = sorted(series)[:window]
-        out[seed] = sum(series[x] for x in first) / len(first)
-    return out
+    return _window_means(runs, metric, window, last=False)
 
 
 def gap_change(runs, window: int) -> dict[int, float]:
