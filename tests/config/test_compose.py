@@ -110,6 +110,8 @@ def test_schema_rejects_at_compose_time(override, fragment):
     (["rollout=vllm", "ppo.top_p=0.9"], ["rollout=vllm with ppo.top_p=0.9", "ppo.top_p=1.0 or rollout=hf"]),
     (["rollout=vllm", "rollout.sync=adapter"], ["lora.modules_to_save=['model.norm'] with rollout=vllm",
                                                  "rollout.sync=checkpoint or lora.modules_to_save=[]"]),
+    (["rollout=vllm", "rollout.sync=shared"], ["rollout=vllm with rollout.sync=shared", "rollout=hf"]),
+    (["rollout.sync=file"], ["rollout.sync='file'", "checkpoint, adapter, shared"]),
     (["lora.modules_to_save_lr=0"], ["lora.modules_to_save_lr=0", "> 0"]),
     (["rollout.decode=fast"], ["rollout.decode='fast'", "static_eager"]),
     (["rollout=vllm", "rollout.gpu_memory_utilization=1.5"], ["rollout.gpu_memory_utilization=1.5", "(0, 1]"]),

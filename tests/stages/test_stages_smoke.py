@@ -29,7 +29,7 @@ def test_sft_smoke_trains_saves_and_reports(smoke_cfg):
     assert result["stage"] == "sft" and 0.0 <= result["summary"]["test"]["greedy_accuracy"] <= 1.0
 
 
-@pytest.mark.parametrize("sync", ["checkpoint", "adapter"])
+@pytest.mark.parametrize("sync", ["checkpoint", "adapter", "shared"])
 def test_ppo_smoke_engine_matches_trainer_after_sync(smoke_cfg, sync):
     # a large LR and an entropy bonus move the policy in one update, far enough that a stale
     # engine would show

@@ -187,7 +187,8 @@ class RolloutConfig:
     engine: str = "hf"
     # interpreter that runs the worker; "" means the trainer's own interpreter
     python: str = ""
-    # weight sync: checkpoint (merged HF dir) | adapter (LoRA adapter only)
+    # weight sync: checkpoint (merged HF dir) | adapter (LoRA adapter only) | shared (merged weights in
+    # memory the built-in engine maps: a CUDA IPC handle or a /dev/shm file; rollout=hf only)
     sync: str = "checkpoint"
     # the engine gets new weights every this many PPO iterations (1 = on-policy)
     sync_every_iterations: int = 1

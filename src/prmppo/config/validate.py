@@ -138,6 +138,9 @@ def _check_rest(problems: list[str], cfg: DictConfig) -> None:
         problems.append(f"rollout=vllm with ppo.top_p={cfg.ppo.top_p}: vLLM's sampling logprobs are those of the "
                         "top-p truncated distribution, not the full tempered one the trainer scores, so the engine "
                         "and trainer logprobs would never match; use ppo.top_p=1.0 or rollout=hf")
+    if cfg.rollout.engine == "vllm" and cfg.rollout.sync == "shared":
+        problems.append("rollout=vllm with rollout.sync=shared: only the built-in engine (rollout=hf) maps the "
+                        "trainer's shared weights; use rollout.sync=checkpoint or adapter")
     mts_lr = cfg.lora.get("modules_to_save_lr")
     if mts_lr is not None and not mts_lr > 0:
         problems.append(f"lora.modules_to_save_lr={mts_lr} must be > 0 (or null for ppo.lr)")

@@ -378,6 +378,11 @@ class FullPolicy(_PolicyBase):
                 _causal_lm(self.reference), None, input_ids, attention_mask, position_ids, response_ids,
                 response_mask, prompt_length, temperature, chunk_tokens, False).logprobs)
 
+    @torch.no_grad()
+    def merged_state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained model's own tensors (no adapter to merge), under its own key names."""
+        return dict(self.model.state_dict())
+
     def save_merged(self, out_dir: Path, tokenizer) -> Path:
         self.model.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)

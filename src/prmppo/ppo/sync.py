@@ -2,7 +2,9 @@
 
 `checkpoint`: the policy is saved as a merged HF-layout directory and the engine reloads it.
 `adapter`: only the LoRA `policy` adapter is saved and the engine applies it on its resident
-base. Either way a version number travels with the weights: each request names the version
+base. `shared`: the merged weights are written into a buffer the built-in engine maps too (a CUDA
+IPC handle, or a `/dev/shm` file for CPU weights; `rollout/shared_weights.py`) and copied from
+there into its resident tensors: no file is serialised. Either way a version number travels with the weights: each request names the version
 it must be sampled with and the worker reports what it served, so a stale engine is caught.
 Directories are written under a temp name and renamed; versions older than the previous one
 are pruned.
@@ -14,8 +16,9 @@ import shutil
 from pathlib import Path
 
 from prmppo.rollout.protocol import WeightsSpec
+from prmppo.rollout.shared_weights import SharedWeightsWriter
 
-SYNC_MODES = ("checkpoint", "adapter")
+SYNC_MODES = ("checkpoint", "adapter", "shared")
 
 
 class WeightSync:
@@ -31,10 +34,15 @@ class WeightSync:
         self.sync_dir.mkdir(parents=True)
         self.tokenizer = tokenizer
         self.served = WeightsSpec(kind="base", path=None, version=0)
+        self.shared = SharedWeightsWriter(self.sync_dir / "shared") if mode == "shared" else None
 
     def push(self, policy) -> WeightsSpec:
         """Save the current policy for the engine; the next request asks for this version."""
         version = self.served.version + 1
+        if self.shared is not None:
+            path = self.shared.write(policy.merged_state_dict(), version)
+            self.served = WeightsSpec(kind="shared", path=str(path.resolve()), version=version)
+            return self.served
         final = self.sync_dir / f"v{version:06d}"
         tmp = final.with_name(final.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)

@@ -9,7 +9,9 @@ three kinds of weights (`WeightsSpec.kind`):
 - "adapter": a peft LoRA adapter merged into the resident base in place, so sampling runs at the
   base model's speed with no LoRA layers in the loop. The exact base values of every parameter
   an adapter changes are kept (copied before the first merge touches them) and copied back
-  before the next merge or a "base" request: never an unmerge by subtraction.
+  before the next merge or a "base" request: never an unmerge by subtraction;
+- "shared": full merged weights the trainer keeps in a buffer shared with this process (a CUDA
+  IPC handle or a `/dev/shm` file, `shared_weights.py`), copied into the resident tensors in place.
 
 Sampling (`generate`): every prompt is repeated n times. Two loops (`decode`):
 
@@ -44,6 +46,7 @@ import torch
 
 from prmppo.rollout.protocol import WeightsSpec, validate_sampling_args
 from prmppo.rollout.sampling import left_pad, next_tokens  # noqa: F401 (left_pad: guards/gates.py)
+from prmppo.rollout.shared_weights import SharedWeightsReader
 from prmppo.rollout.static_decode import StaticDecoder, sample_static, unsupported_reason
 
 LOG = logging.getLogger(__name__)
@@ -111,6 +114,7 @@ class HFEngine:
         self._base_copy: dict[str, torch.Tensor] = {}  # exact base values of what adapters change
         self._merged = False  # an adapter is merged into the resident base
         self._served: WeightsSpec | None = WeightsSpec(kind="base", path=None, version=0)
+        self._shared = SharedWeightsReader()
 
     @property
     def served_weights(self) -> WeightsSpec | None:
@@ -166,6 +170,8 @@ class HFEngine:
                 self._use_base()
             elif spec.kind == "checkpoint":
                 self._load_checkpoint(spec)
+            elif spec.kind == "shared":
+                self._load_shared(spec)
             else:
                 self._load_adapter(spec)
         except BaseException:
@@ -182,6 +188,12 @@ class HFEngine:
         if self._resident == "unknown" or not copy_checkpoint_in_place(self._model, spec.path):
             self._model = None  # free the old weights before loading the new ones
             self._model = self._load_hf_dir(spec.path)
+        self._resident, self._merged = "checkpoint", False
+
+    def _load_shared(self, spec: WeightsSpec) -> None:
+        if self._resident == "unknown":  # a failed load may have left the module half written or replaced
+            self._use_base()
+        self._shared.copy_into(self._model, Path(spec.path), spec.version)
         self._resident, self._merged = "checkpoint", False
 
     def _load_adapter(self, spec: WeightsSpec) -> None:

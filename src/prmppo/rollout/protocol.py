@@ -35,7 +35,7 @@ from prmppo.errors import PrmppoError
 from prmppo.logger.metrics import write_json_atomic as write_json
 
 SCHEMA_VERSION = 1
-WEIGHT_KINDS = ("base", "checkpoint", "adapter")
+WEIGHT_KINDS = ("base", "checkpoint", "adapter", "shared")
 FINISH_REASONS = ("stop", "length")
 HEARTBEAT_STATUSES = ("starting", "ready", "busy", "failed")  # "failed": the engine could not start
 # A request id becomes a file name: keep it to a portable, non-hidden set of characters.
@@ -119,7 +119,8 @@ class WeightsSpec:
 
     kind "base": the worker's base model (path None); "checkpoint": a merged HF-layout dir
     (config.json + safetensors) at `path`; "adapter": a peft LoRA adapter dir at `path`,
-    applied on the resident base.
+    applied on the resident base; "shared": merged weights in a buffer shared with the trainer,
+    described by the manifest in `path` (`rollout/shared_weights.py`; the built-in engine only).
     """
 
     kind: str

@@ -169,6 +169,9 @@ class VLLMEngine:
 
     def load_weights(self, spec: WeightsSpec) -> None:
         """Serve `spec`. After a failure nothing is served until a later `load_weights` succeeds."""
+        if spec.kind == "shared":
+            raise ValueError("weights.kind='shared' is served by the built-in engine only (rollout=hf); "
+                             "vLLM takes rollout.sync=checkpoint or adapter")
         self._served = None
         try:
             if spec.kind == "checkpoint":
