@@ -15,6 +15,7 @@ repeat by repeat so that a busy machine slows both alike; figures are medians ov
 - throughput: response tokens / generate seconds as the worker measures them, once with the base
   weights and once with a LoRA adapter served (peft on the hf engine, a LoRARequest on vLLM);
 - sync latency: `WeightSync.push` (the trainer saving a merged HF checkpoint or the LoRA adapter,
+  or writing the merged weights into the buffer it shares with the hf engine,
   exactly what PPO does) and the engine's load of those weights as the worker reports it
   (`RolloutResult.load_seconds` of the next request), per sync mode.
 
@@ -151,9 +152,10 @@ def measure_sync(bench: Bench, policy, tokenizer, work: Path) -> dict:
 
     generator = torch.Generator().manual_seed(0)
     out: dict = {}
-    for mode in ("adapter", "checkpoint"):
-        syncs = {engine: WeightSync(mode, 1, work / f"sync-{mode}-{engine}", tokenizer) for engine in bench.clients}
-        saves, loads = {e: [] for e in bench.clients}, {e: [] for e in bench.clients}
+    for mode in ("adapter", "checkpoint", "shared"):
+        engines = [engine for engine in bench.clients if mode != "shared" or engine == "hf"]  # shared: hf only
+        syncs = {engine: WeightSync(mode, 1, work / f"sync-{mode}-{engine}", tokenizer) for engine in engines}
+        saves, loads = {e: [] for e in engines}, {e: [] for e in engines}
         for _ in range(bench.args.syncs):
             nudge(policy, generator)
             for engine, sync in syncs.items():
@@ -162,7 +164,10 @@ def measure_sync(bench: Bench, policy, tokenizer, work: Path) -> dict:
                 saves[engine].append(time.perf_counter() - start)
                 loads[engine].append(bench.load(engine, spec))
         out[mode] = {engine: {"save_s": statistics.median(saves[engine]), "load_s": statistics.median(loads[engine])}
-                     for engine in bench.clients}
+                     for engine in engines}
+        for sync in syncs.values():
+            if sync.shared is not None:
+                sync.shared.close()
     return out
 
 
@@ -211,8 +216,10 @@ def report(figures: dict) -> None:
         print(f"| {kind} | {tps[kind]['hf']:.0f} | {tps[kind]['vllm']:.0f} | {tps[kind]['vllm'] / tps[kind]['hf']:.2f}x |")
     print("\n| engine | sync | trainer save (ms) | engine load (ms) | total (ms) |\n|---|---|---|---|---|")
     for engine in ("hf", "vllm"):
-        for mode in ("adapter", "checkpoint"):
-            cell = figures["sync"][mode][engine]
+        for mode in ("adapter", "checkpoint", "shared"):
+            cell = figures["sync"][mode].get(engine)
+            if cell is None:
+                continue
             print(f"| {engine} | {mode} | {cell['save_s'] * 1e3:.0f} | {cell['load_s'] * 1e3:.0f} | "
                   f"{(cell['save_s'] + cell['load_s']) * 1e3:.0f} |")
     print(f"\nengine start (s): {', '.join(f'{k} {v:.1f}' for k, v in figures['engine_start_s'].items())}")

@@ -55,6 +55,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--gradient-checkpointing", default="off", choices=["on", "off"],
                         help="both sides: ppo.gradient_checkpointing / GRPOConfig.gradient_checkpointing "
                              "(TRL's own default is on)")
+    parser.add_argument("--sync", default="checkpoint", choices=["checkpoint", "adapter", "shared"],
+                        help="prmppo's rollout.sync")
+    parser.add_argument("--prmppo-override", action="append", default=[], metavar="KEY=VALUE",
+                        help="one more Hydra override of the prmppo side (repeatable), e.g. ppo.compile=true")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--sides", default="prmppo,trl")
     parser.add_argument("--out", default="runs/trl_compare", help="run directories and figures.json go here")
@@ -87,7 +91,8 @@ def prmppo_overrides(args, run_dir: Path) -> list[str]:
         f"ppo.minibatch_rows={args.minibatch_rows}", f"ppo.micro_batch_rows={args.micro_rows}",
         f"ppo.kl_coef={args.kl}", f"ppo.lr={args.lr}", "eval.every=0", f"hydra.run.dir={run_dir.resolve()}",
         f"artifacts_dir={(run_dir / 'artifacts').resolve()}",
-        f"ppo.gradient_checkpointing={args.gradient_checkpointing == 'on'}",
+        f"ppo.gradient_checkpointing={args.gradient_checkpointing == 'on'}", f"rollout.sync={args.sync}",
+        *args.prmppo_override,
     ]
 
 
@@ -95,11 +100,14 @@ def run_prmppo(args, run_dir: Path) -> dict:
     cmd = [sys.executable, "-m", "prmppo", *prmppo_overrides(args, run_dir)]
     subprocess.run(cmd, check=True)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rows = [row for row in rows if "perf/iteration_s" in row][1:]  # first iteration is warm-up
+    rows = [row for row in rows if "perf/iteration_s" in row]
+    first, rows = rows[0] if rows else None, rows[1:]  # the first iteration is warm-up
     if not rows:
         raise RuntimeError(f"{run_dir}/metrics.jsonl has no iteration after the first")
     keys = ("iteration_s", "generate_s", "score_s", "assemble_s", "update_s", "sync_s")
-    return {key: statistics.median(row[f"perf/{key}"] for row in rows) for key in keys} | {"iterations": len(rows)}
+    startup = json.loads((run_dir / "banner.json").read_text()).get("startup_s", {})
+    return ({key: statistics.median(row[f"perf/{key}"] for row in rows) for key in keys}
+            | {"iterations": len(rows), "first_iteration_s": first["perf/iteration_s"], "startup_s": startup})
 
 
 # --------------------------------------------------------------------------- TRL side
@@ -228,6 +236,10 @@ def main(argv=None) -> int:
         memory = f"{fig['peak_gpu_gib']:.1f}" if fig["peak_gpu_gib"] is not None else "n/a"
         print(f"| {side} | {fig['iteration_s']:.2f} | {fig.get('generate_s', float('nan')):.2f} | "
               f"{fig.get('update_s', float('nan')):.2f} | {memory} |")
+    prm = results.get("prmppo")
+    if prm is not None:
+        print(f"prmppo (rollout.sync={args.sync}): assemble {prm['assemble_s']:.2f} s, sync {prm['sync_s']:.2f} s, "
+              f"first iteration {prm['first_iteration_s']:.2f} s; start-up (s) {prm['startup_s']}")
     if len(results) == 2:
         ratio = results["trl"]["iteration_s"] / results["prmppo"]["iteration_s"]
         print(f"TRL / prmppo iteration time: {ratio:.2f}x")

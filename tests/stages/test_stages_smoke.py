@@ -55,7 +55,8 @@ def test_ppo_smoke_engine_matches_trainer_after_sync(smoke_cfg, sync):
     assert gates["ratio_tripwire"]["limit"] == gates["ratio_tripwire"]["max_logprob_gap"] == 1e-2
     assert gates["reference"]["max_abs_logit_diff"] <= gates["reference"]["tolerance"]
     startup = banner["startup_s"]  # where the launch's seconds went
-    laps = {"tokenizer", "policy", "reward", "reference_gate", "worker_ready", "trainer", "resume", "engine_gap_gate"}
+    laps = {"task", "early_gates", "inputs", "tokenizer", "policy", "reward", "reference_gate", "worker_ready",
+            "trainer", "resume", "engine_gap_gate"}
     assert set(startup) == laps | {"before_first_lap", "total"}
     assert all(seconds >= 0 for seconds in startup.values())
     assert startup["total"] >= startup["before_first_lap"] + sum(startup[lap] for lap in laps) - 0.01

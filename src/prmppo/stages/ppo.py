@@ -62,6 +62,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from prmppo import artifacts
@@ -270,22 +271,25 @@ class _RankPieces:
 
 
 def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict, prm_dir: Path | None,
-              band: Band | None = None, ranks=None) -> dict:
+              band: Band | None = None, ranks=None, laps: Laps | None = None) -> dict:
     """Run PPO from `base_dir` (with the PRM at `prm_dir` when the reward needs one, on the prompts of `band`
     when given), or resume from the newest complete checkpoint in `run_dir`; returns the summary (final
     checkpoint path included). A coordinated stop saves, closes the worker, writes `stage_result.json` with
     `stopped` and raises `StopRequested` (exit 3). `ranks`: the training ranks (`dist/`), one process if None."""
-    gates, laps = dict(gates), Laps()
+    gates, laps = dict(gates), laps if laps is not None else Laps()
     ranks = ranks if ranks is not None else OneProcess(train_device(cfg))
-    with laps.lap("tokenizer"):
-        tokenizer = load_tokenizer(base_dir)
-        gates["eos"] = derive_eos(base_dir, tokenizer)
-    with laps.lap("policy"):
-        policy, probe = _policy(cfg, task, tokenizer, base_dir, ranks)
-    engine = _engine(cfg, base_dir, run_dir, policy.lora_rank) if ranks.is_main else _NoEngine()
-    engine.launch()  # the worker starts while the trainer sets up; `with engine` below waits for it
+    lora_rank = cfg.lora.r if get_class(cfg.lora._target_).ships_adapter else 0
+    engine = _engine(cfg, base_dir, run_dir, lora_rank) if ranks.is_main else _NoEngine()
+    engine.launch()  # the worker starts (imports, loads) while the trainer sets up; `wait_ready` below waits for it
     start = time.time()
     try:
+        with laps.lap("tokenizer"):
+            tokenizer = load_tokenizer(base_dir)
+            gates["eos"] = derive_eos(base_dir, tokenizer)
+        with laps.lap("policy"):
+            policy, probe = _policy(cfg, task, tokenizer, base_dir, ranks)
+        if policy.lora_rank != lora_rank:
+            raise RuntimeError(f"the policy's LoRA rank {policy.lora_rank} is not lora.r={lora_rank}")
         with laps.lap("reward"):
             reward = _reward(cfg, task, tokenizer, policy, prm_dir)
         with laps.lap("reference_gate"):  # after the PRM loads: it must not move the reference
@@ -370,14 +374,17 @@ def ppo_inputs(cfg: DictConfig, task, run_dir: Path, ranks, known_band: Band | N
 def run(cfg: DictConfig, run_dir: Path) -> dict:
     """Stage `ppo`: the SFT checkpoint (and PRM, and band) of this config, reused or made, then PPO; publishes
     the policy. Under `topology=fsdp` every rank runs this (torchrun); rank 0 writes the results."""
-    start = time.time()
-    task = build(cfg.task, "task")
-    gates = early_gates(cfg, task)
-    band = existing_band(cfg, task)  # a band that exists is checked before any weights
+    start, laps = time.time(), Laps()  # the start-up laps begin here: `before_first_lap` is imports and config
+    with laps.lap("task"):
+        task = build(cfg.task, "task")
+    with laps.lap("early_gates"):
+        gates = early_gates(cfg, task)
+        band = existing_band(cfg, task)  # a band that exists is checked before any weights
     ranks = open_ranks(cfg, run_dir)
     try:
-        made = ppo_inputs(cfg, task, run_dir, ranks, band)
-        summary = train_ppo(cfg, task, made.sft_dir, run_dir, gates, made.prm_dir, made.band, ranks)
+        with laps.lap("inputs"):  # the SFT checkpoint (PRM, band) reused or made
+            made = ppo_inputs(cfg, task, run_dir, ranks, band)
+        summary = train_ppo(cfg, task, made.sft_dir, run_dir, gates, made.prm_dir, made.band, ranks, laps)
         if ranks.is_main:
             summary["artifact"] = str(publish_policy(cfg, Path(summary["checkpoint"]), summary))
             summary["wall_seconds"] = time.time() - start
