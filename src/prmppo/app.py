@@ -28,6 +28,19 @@ from prmppo.stages.common import record_start
 log = logging.getLogger("prmppo")
 
 
+def cuda_allocator_settings(conf: str) -> str | None:
+    """Put `conf` in PYTORCH_CUDA_ALLOC_CONF (read when CUDA starts, in this process and in the rollout worker,
+    which inherits it) unless the variable is set already or `conf` is empty; returns the value in force."""
+    if conf and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+        import torch
+
+        if torch.cuda.is_initialized():  # a sweep worker's earlier job started CUDA: too late for this process
+            log.warning("CUDA already started in this process; topology.cuda_alloc_conf=%r applies to its "
+                        "rollout worker only", conf)
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
+    return os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+
+
 def run(cfg: DictConfig) -> dict:
     """Validate `cfg` and run the stage it names; returns the stage's result summary."""
     laps.job_started()  # a sweep worker that runs several jobs counts each one's start-up from its start
@@ -35,6 +48,7 @@ def run(cfg: DictConfig) -> dict:
     stage = STAGES[cfg.stage.name]  # validate_config refused stages without a runner
     check_launch(cfg.topology.name, cfg.topology.train_world_size)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    cuda_allocator_settings(cfg.topology.cuda_alloc_conf)
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     run_dir = Path(cfg.run_dir)

@@ -218,6 +218,11 @@ class TopologyConfig:
     train_world_size: int = 1
     # engine shares the training GPU (fsdp only)
     colocated: bool = False
+    # PyTorch's CUDA caching-allocator settings for the trainer and the rollout worker, put in
+    # PYTORCH_CUDA_ALLOC_CONF before CUDA starts unless that variable is already set (the user's value
+    # wins); "" leaves the allocator's defaults. Expandable segments keep the memory of micro-batches of
+    # varying widths from fragmenting into ever new cached blocks (benchmarks/RESULTS.md); no effect on CPU
+    cuda_alloc_conf: str = "expandable_segments:True"
 
 
 # --------------------------------------------------------------------------- ppo
