@@ -78,7 +78,8 @@ def differences(one: list[dict], two: list[dict]) -> list[str]:
     ["arm=orm", "lora=none", "ppo.advantage_estimator=gae"],
     ["arm=prm", "reward=prm_oracle", "lora=adapter"],
     ["arm=prm", "reward=prm_oracle", "lora=none"],
-], ids=["orm-adapter", "orm-none-gae", "prm-adapter", "prm-none"])
+    ["arm=orm", "lora=adapter", "rollout.sync=shared"],  # rank 0's gathered CPU copy through the shared buffer
+], ids=["orm-adapter", "orm-none-gae", "prm-adapter", "prm-none", "orm-adapter-shared"])
 def test_two_ranks_equal_one_process(artifacts, tmp_path, case):
     overrides = [*MOVING, f"artifacts_dir={artifacts}", *case]
     run(compose_config(overrides, run_dir=tmp_path / "one"))
@@ -88,6 +89,8 @@ def test_two_ranks_equal_one_process(artifacts, tmp_path, case):
     assert len([r for r in one if r["stage"] == "ppo"]) == 3
     assert any(abs(r["ppo/policy_grad_norm"]) > 1e-3 for r in one if r["stage"] == "ppo")  # the policy moved
     assert differences(one, two) == []
+    # the engine sampled with the weights each sync shipped (what a stale or wrong copy would break)
+    assert all(r["rollout/engine_logprob_abs_diff"] < 1e-4 for r in two if r["stage"] == "ppo")
     # rank 0 alone writes the run's files; each rank logs to its own
     written = {p.name for p in (tmp_path / "two").iterdir()}
     assert {"metrics.jsonl", "banner.json", "stage_result.json", "rank0.log", "rank1.log"} <= written
