@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from prmppo.rollout.hf_engine import HFEngine  # noqa: E402
 from prmppo.rollout.protocol import WeightsSpec  # noqa: E402
-from prmppo.rollout.shared_weights import MANIFEST, SharedWeightsReader, SharedWeightsWriter  # noqa: E402
+from prmppo.rollout.shared_weights import (MANIFEST, SharedWeightsReader, SharedWeightsWriter,  # noqa: E402
+                                           remove_orphaned_files)
 
 from tests.rollout.test_hf_engine import generate, save_tiny_model  # noqa: E402
 
@@ -90,6 +91,29 @@ def test_stale_or_mismatched_buffers_are_refused_and_nothing_is_served(tmp_path)
     with pytest.raises(FileNotFoundError, match="has no manifest.json"):
         SharedWeightsReader().copy_into(engine.model, tmp_path / "nowhere", 1)
     writer.close(), renamed.close()
+
+
+def test_a_shm_without_room_puts_the_buffer_in_the_sync_dir(tmp_path, monkeypatch):
+    import prmppo.rollout.shared_weights as shared
+
+    monkeypatch.setattr(shared, "_room_for", lambda where, size: False)
+    writer = SharedWeightsWriter(tmp_path / "shared")
+    writer.write({"w": torch.ones(4)}, 1)
+    assert Path(writer.manifest["file"]).parent == tmp_path / "shared"
+    writer.close()
+    assert shared._room_for(tmp_path, 1) and not shared._room_for(tmp_path, 1 << 60)
+
+
+def test_files_of_killed_owners_are_removed_and_live_ones_kept(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid no longer runs
+    orphan = tmp_path / f"prmppo-weights-{dead.pid}-0123456789ab.bin"
+    live = tmp_path / f"prmppo-weights-{__import__('os').getpid()}-0123456789ab.bin"
+    other = tmp_path / "prmppo-weights-notapid-x.bin"
+    for path in (orphan, live, other):
+        path.write_bytes(b"0")
+    assert remove_orphaned_files(tmp_path) == [orphan]
+    assert not orphan.exists() and live.exists() and other.exists()
 
 
 WORKER = r"""

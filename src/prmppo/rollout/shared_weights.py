@@ -11,7 +11,8 @@ Where the buffer lives follows the weights the trainer hands over:
 - CUDA tensors: a CUDA allocation of the trainer's, opened by the engine through a CUDA IPC
   handle (`transport: cuda_ipc`); the copy into the engine's weights runs on the device;
 - CPU tensors (the CPU topology, or the full copy rank 0 gathers under FSDP): a file in
-  `/dev/shm` (the sync directory where no `/dev/shm` exists) that both processes map
+  `/dev/shm` (in the sync directory where `/dev/shm` is missing or has less than twice the
+  buffer's size free) that both processes map
   (`transport: shm`); a CUDA engine copies from it to the device.
 
 `manifest.json` (in the sync directory's `shared/`) describes the buffer: its transport and
@@ -24,8 +25,8 @@ after its copy, and refuses to serve otherwise.
 Ordering: the trainer finishes its writes (a device synchronize for CUDA) before it writes the
 request that names the new version, so the engine, which reads only after that request, sees
 complete weights. The trainer owns the buffer and removes the `/dev/shm` file when the sync
-object goes away (a process killed with SIGKILL leaves it for the next run's start to overwrite
-under a new name; `prmppo-weights-<pid>-*` names the owner).
+object goes away; a file whose owner was killed (SIGKILL leaves it) is removed by the next writer
+made on the machine (`prmppo-weights-<pid>-*` names the owner, which must no longer run).
 """
 
 from __future__ import annotations
@@ -64,10 +65,25 @@ def _stamp_view(buffer: torch.Tensor, offset: int) -> torch.Tensor:
     return buffer[offset:offset + 8].view(torch.int64)
 
 
+def remove_orphaned_files(where: Path = SHM_DIR) -> list[Path]:
+    """Remove `prmppo-weights-<pid>-*.bin` files in `where` whose owner process no longer runs; returns them."""
+    removed = []
+    for path in where.glob("prmppo-weights-*-*.bin") if where.is_dir() else []:
+        try:
+            os.kill(int(path.name.split("-")[2]), 0)
+        except ProcessLookupError:  # the owner is gone
+            _unlink(path)
+            removed.append(path)
+        except (ValueError, PermissionError):  # not a pid, or another user's live process
+            continue
+    return removed
+
+
 class SharedWeightsWriter:
     """The trainer's side: a buffer made on the first `write`, rewritten in place on each later one."""
 
     def __init__(self, directory: Path):
+        remove_orphaned_files()
         self.directory = Path(directory)
         self.buffer: torch.Tensor | None = None
         self.manifest: dict | None = None
@@ -101,12 +117,14 @@ class SharedWeightsWriter:
     def _make_buffer(self, entries: list[dict], stamp_offset: int, device: torch.device) -> None:
         size = stamp_offset + 8
         buffer_id = uuid.uuid4().hex
+        self.directory.mkdir(parents=True, exist_ok=True)
         manifest = {"buffer_id": buffer_id, "size": size, "stamp_offset": stamp_offset, "tensors": entries}
         if device.type == "cuda":
             self.buffer = torch.zeros(size, dtype=torch.uint8, device=device)
             manifest.update(transport="cuda_ipc", handle=cuda_ipc_handle(self.buffer))
         elif device.type == "cpu":
-            where = SHM_DIR if SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK) else self.directory
+            where = SHM_DIR if _room_for(SHM_DIR, size) else self.directory  # a small /dev/shm (a container's
+            # 64 MB) would take the pages and then fault when they are written: the run's own directory instead
             self._shm_file = where / f"prmppo-weights-{os.getpid()}-{buffer_id[:12]}.bin"
             self.buffer = torch.from_file(str(self._shm_file), shared=True, size=size, dtype=torch.uint8)
             self._finalizer = weakref.finalize(self, _unlink, self._shm_file)
@@ -115,7 +133,6 @@ class SharedWeightsWriter:
             raise ValueError(f"rollout.sync=shared: the weights are on {device}, which has no shared transport "
                              "(cuda or cpu); use rollout.sync=checkpoint")
         _stamp_view(self.buffer, stamp_offset).fill_(-1)  # no version is in it yet
-        self.directory.mkdir(parents=True, exist_ok=True)
         tmp = self.directory / (MANIFEST + ".partial")
         tmp.write_text(json.dumps(manifest))
         tmp.rename(self.directory / MANIFEST)
@@ -147,6 +164,14 @@ class SharedWeightsWriter:
         self.buffer = None
         if self._finalizer is not None:
             self._finalizer()
+
+
+def _room_for(where: Path, size: int) -> bool:
+    """Whether `where` is a writable directory with `size` bytes free and a margin beside them."""
+    if not (where.is_dir() and os.access(where, os.W_OK)):
+        return False
+    stats = os.statvfs(where)
+    return stats.f_bavail * stats.f_frsize >= 2 * size
 
 
 def _unlink(path: Path) -> None:
