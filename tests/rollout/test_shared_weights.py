@@ -96,12 +96,13 @@ def test_stale_or_mismatched_buffers_are_refused_and_nothing_is_served(tmp_path)
 def test_a_shm_without_room_puts_the_buffer_in_the_sync_dir(tmp_path, monkeypatch):
     import prmppo.rollout.shared_weights as shared
 
+    room_for = shared._room_for
+    assert room_for(tmp_path, 1) and not room_for(tmp_path, 1 << 60)
     monkeypatch.setattr(shared, "_room_for", lambda where, size: False)
     writer = SharedWeightsWriter(tmp_path / "shared")
     writer.write({"w": torch.ones(4)}, 1)
     assert Path(writer.manifest["file"]).parent == tmp_path / "shared"
     writer.close()
-    assert shared._room_for(tmp_path, 1) and not shared._room_for(tmp_path, 1 << 60)
 
 
 def test_files_of_killed_owners_are_removed_and_live_ones_kept(tmp_path):
