@@ -230,7 +230,8 @@ def main(argv=None) -> int:
     print(f"\nGPU: {gpu}; {shape}; LoRA r {args.lora_r}; optimizer steps of {args.minibatch_rows} rows, "
           f"micro-batches of {args.micro_rows}; gradient checkpointing {args.gradient_checkpointing}; "
           f"{args.iterations - 1} timed iterations each"
-          + (f"; prmppo overrides {args.prmppo_override} (they win over the shape above)" if args.prmppo_override else ""))
+          + (f"; prmppo overrides {args.prmppo_override} (they win over the shape above)"
+             if args.prmppo_override else ""))
     print("| side | iteration s (median) | generation s | update s | peak GPU memory GiB |")
     print("|---|---|---|---|---|")
     for side, fig in results.items():

@@ -86,7 +86,8 @@ def test_stale_or_mismatched_buffers_are_refused_and_nothing_is_served(tmp_path)
                       for name, value in state.items()}, 2)
     renamed = SharedWeightsWriter(tmp_path / "renamed")
     renamed.write({("x." + name if "norm" in name else name): value for name, value in state.items()}, 1)
-    with pytest.raises(ValueError, match="'x.model.layers.0.input_layernorm.weight', which the engine's model does not have"):
+    unknown = "'x.model.layers.0.input_layernorm.weight', which the engine's model does not have"
+    with pytest.raises(ValueError, match=unknown):
         engine.load_weights(WeightsSpec("shared", str(renamed.path), 1))
     with pytest.raises(FileNotFoundError, match="has no manifest.json"):
         SharedWeightsReader().copy_into(engine.model, tmp_path / "nowhere", 1)

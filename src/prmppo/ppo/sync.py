@@ -4,8 +4,9 @@
 `adapter`: only the LoRA `policy` adapter is saved and the engine applies it on its resident
 base. `shared`: the merged weights are written into a buffer the built-in engine maps too (a CUDA
 IPC handle, or a `/dev/shm` file for CPU weights; `rollout/shared_weights.py`) and copied from
-there into its resident tensors: no file is serialised. Either way a version number travels with the weights: each request names the version
-it must be sampled with and the worker reports what it served, so a stale engine is caught.
+there into its resident tensors: no file is serialised. Every way, a version number travels with
+the weights: each request names the version it must be sampled with and the worker reports what
+it served, so a stale engine is caught.
 Directories are written under a temp name and renamed; versions older than the previous one
 are pruned.
 """

@@ -144,7 +144,8 @@ class SharedWeightsWriter:
         entries, stamp_offset, sources = self._layout(state)
         devices = {tensor.device for tensor in sources}
         if len(devices) != 1:
-            raise ValueError(f"rollout.sync=shared: the merged weights span several devices {sorted(map(str, devices))}")
+            raise ValueError("rollout.sync=shared: the merged weights span several devices "
+                             f"{sorted(map(str, devices))}")
         if self.manifest is None:
             self._make_buffer(entries, stamp_offset, devices.pop())
         elif entries != self.manifest["tensors"]:
@@ -263,8 +264,9 @@ class SharedWeightsReader:
         with torch.no_grad():
             for target, entry in pairs:
                 target.copy_(_view(self._buffer, entry))
-        if self._buffer.is_cuda or any(t.is_cuda for t, _ in pairs[:1]):
-            torch.cuda.synchronize()
+        for device in {target.device for target, _ in pairs if target.is_cuda} | (
+                {self._buffer.device} if self._buffer.is_cuda else set()):
+            torch.cuda.synchronize(device)  # the copies are done before the stamp is read again
         if self._stamp() != version:  # the trainer rewrote it while this copy ran
             raise RuntimeError(f"the shared weights buffer moved from version {version} to {self._stamp()} "
                                "during the copy")

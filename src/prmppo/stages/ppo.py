@@ -281,7 +281,6 @@ def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict,
     lora_rank = cfg.lora.r if get_class(cfg.lora._target_).ships_adapter else 0
     engine = _engine(cfg, base_dir, run_dir, lora_rank) if ranks.is_main else _NoEngine()
     engine.launch()  # the worker starts (imports, loads) while the trainer sets up; `wait_ready` below waits for it
-    start = time.time()
     try:
         with laps.lap("tokenizer"):
             tokenizer = load_tokenizer(base_dir)
@@ -290,6 +289,7 @@ def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict,
             policy, probe = _policy(cfg, task, tokenizer, base_dir, ranks)
         if policy.lora_rank != lora_rank:
             raise RuntimeError(f"the policy's LoRA rank {policy.lora_rank} is not lora.r={lora_rank}")
+        start = time.time()  # the run's wall clock (max_wall_seconds, the summary) starts with the policy loaded
         with laps.lap("reward"):
             reward = _reward(cfg, task, tokenizer, policy, prm_dir)
         with laps.lap("reference_gate"):  # after the PRM loads: it must not move the reference
