@@ -48,7 +48,7 @@ def time_sampling(model, tokenizer, prompts, seed: int) -> tuple[float, int, lis
 def time_training(model, tokenizer, examples, steps: int) -> tuple[float, int]:
     p = PRMTrainConfig()
     peft_model = new_prm(model, r=p.r, alpha=p.alpha, target_modules=list(p.target_modules))
-    head = make_head(p.head, model.config.hidden_size, tokenizer)
+    head = make_head(p.head, model.config.hidden_size, tokenizer, p.good_token, p.bad_token)
     params = [q for q in peft_model.parameters() if q.requires_grad] + list(head.parameters())
     optimizer = torch.optim.AdamW(params, lr=p.lr)
     generator, times, width = torch.Generator().manual_seed(0), [], 0
@@ -56,7 +56,7 @@ def time_training(model, tokenizer, examples, steps: int) -> tuple[float, int]:
         picked = [examples[i] for i in torch.randint(len(examples), (p.batch_rows,), generator=generator).tolist()]
         start = time.perf_counter()
         ids, att, pos, plen, targets, mask = _train_batch(picked, tokenizer.pad_token_id, torch.device("cpu"))
-        logits = prm_step_logits(peft_model, head, ids, att, pos, plen)
+        logits = prm_step_logits(peft_model, head, ids, att, pos, plen, mask)
         loss = step_bce(logits[mask], targets[mask], p.negative_weight)
         optimizer.zero_grad()
         loss.backward()

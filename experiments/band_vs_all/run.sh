@@ -9,7 +9,9 @@
 set -u
 OUT_DIR=${OUT_DIR:-runs/band_vs_all}
 ARTIFACTS=${ARTIFACTS:-artifacts}
-common=(artifacts_dir="$ARTIFACTS" logger.console=false "$@")
+# the PRM and PPO length of the recorded results (the defaults before the 12-minute embedded default)
+common=(artifacts_dir="$ARTIFACTS" logger.console=false prm_train.head=classifier prm_train.steps=3000
+        prm_train.train_problems=10000 ppo.iterations=200 "$@")
 mkdir -p "$OUT_DIR"
 python -m prmppo stage=sft hydra.run.dir="$OUT_DIR/sft" "${common[@]}" > "$OUT_DIR/sft.log" 2>&1
 python -m prmppo stage=prm hydra.run.dir="$OUT_DIR/prm" "${common[@]}" > "$OUT_DIR/prm.log" 2>&1 &

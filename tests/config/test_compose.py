@@ -187,3 +187,21 @@ def test_math_shepherd_experiment_passes_its_gates_up_to_the_checkpoint(tmp_path
     assert cfg.ppo.kl_coef == 0.04 and cfg.prm_train.label_source == "monte_carlo"
     with pytest.raises(ModelDirError, match=r"/nonexistent/ckpt does not exist \(model.path"):
         run(cfg)
+
+
+def test_default_prm_and_ppo_length_are_the_12_minute_ones():
+    cfg = compose_config()
+    assert (cfg.prm_train.head, cfg.prm_train.steps, cfg.prm_train.train_problems) == ("step_logprobs", 200, 3000)
+    assert cfg.ppo.iterations == 100
+
+
+@pytest.mark.parametrize("experiment,prm_steps", [("prm_vs_orm_arith", 3000), ("prm_vs_orm_sparse", 3000),
+                                                  ("prm_hacking", 300)])
+def test_recorded_experiments_keep_the_prm_and_ppo_they_were_measured_with(experiment, prm_steps):
+    cfg = compose_config([f"experiment={experiment}"])
+    assert (cfg.prm_train.head, cfg.prm_train.steps, cfg.prm_train.train_problems) == ("classifier", prm_steps, 10000)
+    assert cfg.ppo.iterations == 200
+    shipped = (REPO / "experiments/band_vs_all/run.sh").read_text()
+    for override in ("prm_train.head=classifier", "prm_train.steps=3000", "prm_train.train_problems=10000",
+                     "ppo.iterations=200"):
+        assert override in shipped

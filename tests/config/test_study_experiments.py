@@ -58,7 +58,8 @@ def test_the_sparse_testbed_and_the_hacking_study_change_what_they_say():
     assert (sparse.task.rl.min_operands, sparse.task.rl.max_operands) == (5, 6)
     assert default.task.rl.max_operands < sparse.task.rl.max_operands
     hacking = compose_config(["experiment=prm_hacking"])
-    assert hacking.prm_train.steps < default.prm_train.steps
+    arith = compose_config(["experiment=prm_vs_orm_arith"])  # the main study's PRM: the same head, 10x the steps
+    assert hacking.prm_train.head == arith.prm_train.head and hacking.prm_train.steps * 10 == arith.prm_train.steps
     transforms = {job[-1] for sweep in header_sweeps("prm_hacking") for job in combinations(sweep)
                   if job[-1].startswith("reward.transform=")}
     assert transforms == {"reward.transform=plain", "reward.transform=delta", "reward.transform=min_form"}

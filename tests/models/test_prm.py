@@ -8,7 +8,7 @@ from transformers import MistralConfig, MistralForCausalLM
 
 from prmppo.models.policy import LoraPolicy
 from prmppo.models.prm import (PRM_ADAPTER, LearnedStepScorer, OracleStepScorer, build_step_scorer, label_token_id,
-                               load_prm, make_head, new_prm, save_prm)
+                               load_prm, make_head, new_prm, prm_step_logits, save_prm)
 from prmppo.models.tiny import build_char_tokenizer
 from prmppo.rewards.steps import StepBoundaries
 from prmppo.stages.prm import ScoreRows
@@ -83,6 +83,46 @@ def test_label_tokens_head_is_the_two_token_ratio(tok):
     assert expected[ends].std() > 1e-3  # the ratio varies by position: a constant would pass anything
 
 
+def test_step_logprobs_head_reads_each_steps_own_token_logprobs(tok):
+    model = _model(tok)
+    rows = _rows(tok)
+    with torch.no_grad():  # reference: the base model's logprob of each response token, step by step
+        logits = model(input_ids=rows.input_ids, attention_mask=rows.attention_mask,
+                       position_ids=rows.position_ids).logits
+    p = rows.prompt_length
+    token_lp = torch.log_softmax(logits[:, p - 1:-1], -1).gather(-1, rows.input_ids[:, p:, None])[..., 0]
+    peft_model = new_prm(model, r=4, alpha=8, target_modules=TARGETS)
+    head = make_head("step_logprobs", 32, tok)
+    assert head.scale == 10.0
+    with torch.no_grad():
+        head.linear.weight.copy_(torch.tensor([[0.05, -0.2, 0.025]]))
+        head.linear.bias.fill_(0.01)
+    scores, ends = _scorer(peft_model, head, tok, chunk_rows=2).score(rows)
+    for row, positions in enumerate([[7, 15, 26], [5, 15], [5]]):
+        start = 0
+        for end in positions:  # a step: the tokens after the previous end, up to and including its own
+            step = token_lp[row, start:end + 1]
+            logit = head.scale * (0.05 * step.min() - 0.2 * step.mean() + 0.025 * step[-1] + 0.01)
+            assert torch.allclose(scores[row, end], torch.sigmoid(logit), atol=1e-5), (row, end)
+            start = end + 1
+    assert scores[ends].std() > 1e-3  # the steps differ: a constant would pass anything
+
+
+def test_step_logprobs_head_starts_as_lowest_logprob_rule_and_trains_the_adapter(tok):
+    peft_model = new_prm(_model(tok), r=4, alpha=8, target_modules=TARGETS)
+    head = make_head("step_logprobs", 32, tok)
+    rows = _rows(tok)
+    ends = StepBoundaries.from_tokenizer(tok, "\n").mask(rows.response_ids, rows.response_mask)
+    logits = prm_step_logits(peft_model, head, rows.input_ids, rows.attention_mask, rows.position_ids,
+                             rows.prompt_length, ends)[ends]
+    logits.sum().backward()
+    lora_b = [q for n, q in peft_model.named_parameters() if "lora_B" in n]
+    assert lora_b and all(q.grad is not None for q in lora_b)
+    assert max(q.grad.abs().max() for q in lora_b) > 0  # the step's logprobs carry gradient into the adapter
+    with pytest.raises(ValueError, match="needs step_ends"):
+        prm_step_logits(peft_model, head, rows.input_ids, rows.attention_mask, rows.position_ids, rows.prompt_length)
+
+
 @pytest.mark.parametrize("modules_to_save", [[], ["model.norm"]])
 def test_scoring_on_the_policy_model_leaves_policy_flags_and_logits_alone(tok, tmp_path, modules_to_save):
     standalone, head = _trained_prm(tok, tmp_path)
@@ -155,7 +195,7 @@ def test_label_token_must_be_one_known_token(tok):
     assert label_token_id(tok, "+", "prm_train.good_token") == tok.convert_tokens_to_ids("+")
     with pytest.raises(ValueError, match="prm_train.good_token='ok'"):
         label_token_id(tok, "ok", "prm_train.good_token")  # two characters: two tokens
-    with pytest.raises(ValueError, match="prm_train.head='linear' is not one of classifier, label_tokens"):
+    with pytest.raises(ValueError, match="prm_train.head=.linear. is not one of classifier, label_tokens, step_lo"):
         make_head("linear", 32, tok)
 
 

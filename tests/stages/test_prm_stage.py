@@ -164,7 +164,7 @@ def test_prm_train_keys_are_validated(smoke_cfg):
     with pytest.raises(ConfigError) as err:
         validate_config(cfg)
     message = str(err.value)
-    assert "prm_train.head='mlp' is not one of classifier, label_tokens" in message
+    assert "prm_train.head='mlp' is not one of classifier, label_tokens, step_logprobs" in message
     assert "prm_train.label_source='human' is not one of checker, monte_carlo" in message
     assert "prm_train.steps=0 must be > 0" in message
     validate_config(smoke_cfg())  # the shipped smoke preset is valid

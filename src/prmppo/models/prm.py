@@ -9,9 +9,14 @@ second copy of the backbone exists. Heads (`prm_train.head`):
 - `label_tokens`: the LM's own next-token distribution at the step end, restricted to a "good"
                   and a "bad" token: p(good) / (p(good) + p(bad)) = sigmoid(logit_good -
                   logit_bad), as in Math-Shepherd (Wang et al. 2024, "Math-Shepherd: Verify and
-                  Reinforce LLMs Step-by-step without Human Annotations").
+                  Reinforce LLMs Step-by-step without Human Annotations");
+- `step_logprobs`: an affine map of how likely the PRM-adapted LM finds the step's own tokens:
+                  the lowest, the mean and the last token logprob of the step. The adapter is
+                  trained through them, so the PRM becomes an LM that gives a wrong step's tokens
+                  low probability; it starts as a `min logprob > -1` rule of the SFT model.
 
-Both heads return a step *logit* (pre-sigmoid), so training uses BCE-with-logits.
+Every head returns a step *logit* (pre-sigmoid) at each response position (the caller reads the
+step ends), so training uses BCE-with-logits.
 
 Step scorers (`StepScorer.score(batch) -> (scores [B, T], step_end_mask [B, T])`, scores in
 [0, 1] at step ends and 0 elsewhere):
@@ -33,7 +38,7 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -44,14 +49,24 @@ from prmppo.rewards.steps import StepBoundaries, align_step_labels
 from prmppo.rollout.hf_engine import find_adapter_dir
 
 PRM_ADAPTER = "prm"
-HEAD_TYPES = ("classifier", "label_tokens")
+HEAD_TYPES = ("classifier", "label_tokens", "step_logprobs")
 HEAD_FILE, META_FILE = "prm_head.safetensors", "prm_meta.json"
+
+
+class StepInputs(NamedTuple):
+    """What a head reads, response positions only: position t has read response token t."""
+
+    hidden: Tensor  # [b, T, H] last hidden state
+    logits: Tensor | None  # [b, T, V] next-token logits (heads with reads="next_logits")
+    token_logprobs: Tensor | None  # [b, T] log p(token t | before it) (reads="token_logprobs"); 0 on padding
+    valid: Tensor  # [b, T] bool: a response token, not padding
+    step_ends: Tensor | None  # [b, T] bool (reads="token_logprobs")
 
 
 class ClassifierHead(nn.Module):
     """Step logit = linear(h) on the last hidden state; zero-initialised (every score starts at 0.5)."""
 
-    kind, needs_logits = "classifier", False
+    kind, reads = "classifier", "hidden"
 
     def __init__(self, hidden_size: int):
         super().__init__()
@@ -59,22 +74,68 @@ class ClassifierHead(nn.Module):
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
 
-    def forward(self, hidden: Tensor, logits: Tensor | None) -> Tensor:  # [b, T, H] -> [b, T]
-        return self.linear(hidden.float()).squeeze(-1)
+    def forward(self, inputs: StepInputs) -> Tensor:  # [b, T, H] -> [b, T]
+        return self.linear(inputs.hidden.float()).squeeze(-1)
 
 
 class LabelTokenHead(nn.Module):
     """Step logit = logit(good) - logit(bad) of the LM at the step end (no weights of its own)."""
 
-    kind, needs_logits = "label_tokens", True
+    kind, reads = "label_tokens", "next_logits"
 
     def __init__(self, good_token_id: int, bad_token_id: int, good_token: str, bad_token: str):
         super().__init__()
         self.good_token_id, self.bad_token_id = good_token_id, bad_token_id
         self.good_token, self.bad_token = good_token, bad_token
 
-    def forward(self, hidden: Tensor, logits: Tensor) -> Tensor:  # [b, T, V] -> [b, T]
+    def forward(self, inputs: StepInputs) -> Tensor:  # [b, T, V] -> [b, T]
+        logits = inputs.logits
         return logits[..., self.good_token_id].float() - logits[..., self.bad_token_id].float()
+
+
+def step_logprob_stats(token_logprobs: Tensor, valid: Tensor, step_ends: Tensor) -> Tensor:
+    """[b, T, 3]: at each position, (lowest, mean, last) token logprob of the step it belongs to,
+    counted up to and including that step's end token. A step is the tokens after the previous step
+    end up to its own end; padding is left out. Only the values at step ends are complete."""
+    b, t = token_logprobs.shape
+    ends = step_ends & valid
+    step = ends.long().cumsum(-1) - ends.long()  # [b, T] the index of each token's step
+    slots = t + 1  # per row: steps 0..T-1, and slot T for padding
+    flat = torch.where(valid, step, torch.full_like(step, t)) + slots * torch.arange(b, device=step.device)[:, None]
+    lp = token_logprobs.float().masked_fill(~valid, 0.0)
+    lowest = torch.zeros(b * slots, device=lp.device).scatter_reduce(0, flat.flatten(), lp.flatten(), "amin",
+                                                                      include_self=False)
+    total = torch.zeros(b * slots, device=lp.device).index_add(0, flat.flatten(), lp.flatten())
+    count = torch.zeros(b * slots, device=lp.device).index_add(0, flat.flatten(), valid.float().flatten())
+    mean = total / count.clamp(min=1.0)
+    return torch.stack([lowest[flat], mean[flat], lp], -1)  # [b, T, 3]
+
+
+class StepLogprobHead(nn.Module):
+    """Step logit = SCALE * (w . (lowest, mean, last token logprob of the step) + b) under the PRM's
+    own LM.
+
+    Initialised to `SCALE * (lowest + 1)`: a step is scored right while its least likely token has
+    p > 1/e under the model the adapter starts from (the SFT policy); training moves both the map
+    and, through the logprobs, the adapter. SCALE makes the map move SCALE times faster at the
+    stage's learning rate and the scores saturate: with 1 the default PRM scored no right step of
+    the SFT policy's samples >= 0.9 after 300 steps, with 10 it scores 98-99% of them >= 0.9
+    (benchmarks/prm_likelihood.py; benchmarks/RESULTS.md)."""
+
+    kind, reads = "step_logprobs", "token_logprobs"
+    SCALE = 10.0
+
+    def __init__(self, scale: float = SCALE):
+        super().__init__()
+        self.scale = scale
+        self.linear = nn.Linear(3, 1)
+        with torch.no_grad():
+            self.linear.weight.copy_(torch.tensor([[1.0, 0.0, 0.0]]))
+            self.linear.bias.fill_(1.0)
+
+    def forward(self, inputs: StepInputs) -> Tensor:  # -> [b, T]
+        stats = step_logprob_stats(inputs.token_logprobs, inputs.valid, inputs.step_ends)
+        return self.scale * self.linear(stats).squeeze(-1)
 
 
 def label_token_id(tokenizer, text: str, key: str) -> int:
@@ -86,7 +147,8 @@ def label_token_id(tokenizer, text: str, key: str) -> int:
     return ids[0]
 
 
-def make_head(head_type: str, hidden_size: int, tokenizer, good_token: str = "+", bad_token: str = "-") -> nn.Module:
+def make_head(head_type: str, hidden_size: int, tokenizer, good_token: str = "+", bad_token: str = "-",
+              scale: float | None = None) -> nn.Module:
     if head_type == "classifier":
         return ClassifierHead(hidden_size)
     if head_type == "label_tokens":
@@ -95,6 +157,8 @@ def make_head(head_type: str, hidden_size: int, tokenizer, good_token: str = "+"
         if good == bad:
             raise ValueError(f"prm_train.good_token={good_token!r} and prm_train.bad_token={bad_token!r} must differ")
         return LabelTokenHead(good, bad, good_token, bad_token)
+    if head_type == "step_logprobs":
+        return StepLogprobHead(StepLogprobHead.SCALE if scale is None else scale)
     raise ValueError(f"prm_train.head={head_type!r} is not one of {', '.join(HEAD_TYPES)}")
 
 
@@ -128,14 +192,24 @@ def adapter_active(peft_model, name: str):
 
 
 def prm_step_logits(model, head: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
-                    prompt_length: int) -> Tensor:
-    """Step logits [b, T] at every response position (the caller picks the step ends)."""
-    extra = {} if head.needs_logits else {"logits_to_keep": 1}  # the classifier needs no LM logits
+                    prompt_length: int, step_ends: Tensor | None = None) -> Tensor:
+    """Step logits [b, T] at every response position (the caller picks the step ends).
+    `step_ends` [b, T] bool is needed by heads that read a whole step (`step_logprobs`)."""
+    t = input_ids.shape[1] - prompt_length
+    keep = {"hidden": 1, "next_logits": t, "token_logprobs": t + 1}[head.reads]  # LM positions kept at the end
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                output_hidden_states=True, use_cache=False, **extra)
+                output_hidden_states=True, use_cache=False, logits_to_keep=keep)
     hidden = out.hidden_states[-1][:, prompt_length:]  # [b, T, H]: position P + t has read token t
-    logits = out.logits[:, prompt_length:] if head.needs_logits else None  # [b, T, V]
-    return head(hidden, logits)
+    valid = attention_mask[:, prompt_length:].bool()  # [b, T]
+    logits = out.logits if head.reads == "next_logits" else None  # [b, T, V]
+    token_logprobs = None
+    if head.reads == "token_logprobs":
+        if step_ends is None:
+            raise ValueError(f"prm head {head.kind!r} reads whole steps: prm_step_logits needs step_ends")
+        predicted = out.logits[:, :-1].float()  # [b, T, V]: position P - 1 + t predicts response token t
+        tokens = input_ids[:, prompt_length:]  # [b, T]
+        token_logprobs = torch.log_softmax(predicted, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [b, T]
+    return head(StepInputs(hidden, logits, token_logprobs, valid, step_ends))
 
 
 class StepScorer(Protocol):
@@ -166,7 +240,8 @@ class LearnedStepScorer:
             for rows in torch.arange(len(ends)).split(self.chunk_rows):
                 ids, att, pos = (t[rows].to(device) for t in (batch.input_ids, batch.attention_mask,
                                                               batch.position_ids))
-                logits = prm_step_logits(self.peft_model, self.head, ids, att, pos, batch.prompt_length)
+                logits = prm_step_logits(self.peft_model, self.head, ids, att, pos, batch.prompt_length,
+                                         ends[rows].to(device))
                 chunks.append(torch.sigmoid(logits).float().cpu())  # [b, T]
         scores = torch.cat(chunks).to(ends.device) * ends  # [B, T]
         return scores, ends
@@ -205,8 +280,8 @@ def save_prm(out_dir: str | Path, peft_model, head: nn.Module) -> Path:
     save_file({k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}, str(out_dir / HEAD_FILE))
     lora = peft_model.peft_config[PRM_ADAPTER]
     meta = {"head": head.kind, "good_token": getattr(head, "good_token", None),
-            "bad_token": getattr(head, "bad_token", None), "r": lora.r, "alpha": lora.lora_alpha,
-            "target_modules": sorted(lora.target_modules)}
+            "bad_token": getattr(head, "bad_token", None), "scale": getattr(head, "scale", None), "r": lora.r,
+            "alpha": lora.lora_alpha, "target_modules": sorted(lora.target_modules)}
     (out_dir / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
     return out_dir
 
@@ -232,7 +307,7 @@ def load_prm(prm_dir: str | Path, model: nn.Module, tokenizer) -> tuple[nn.Modul
         peft_model = PeftModel.from_pretrained(model, str(adapter_dir), adapter_name=PRM_ADAPTER, is_trainable=False)
     base_config = peft_model.get_base_model().config
     head = make_head(meta["head"], base_config.hidden_size, tokenizer, meta["good_token"] or "+",
-                     meta["bad_token"] or "-")
+                     meta["bad_token"] or "-", meta.get("scale"))
     state = load_file(str(prm_dir / HEAD_FILE))
     head.load_state_dict(state)
     device = next(peft_model.parameters()).device

@@ -158,7 +158,7 @@ def train_prm(peft_model, head, examples: list[StepExample], *, steps: int, batc
         picked = [examples[i] for i in torch.randint(len(examples), (batch_rows,), generator=generator).tolist()]
         mine = picked[ranks.rank * share:(ranks.rank + 1) * share]  # every rank drew the same rows
         ids, att, pos, plen, targets, label_mask = _train_batch(mine, pad_token_id, device)
-        logits = prm_step_logits(peft_model, head, ids, att, pos, plen)[label_mask]  # [n] this rank's steps
+        logits = prm_step_logits(peft_model, head, ids, att, pos, plen, label_mask)[label_mask]  # [n] rank's steps
         terms, weights = step_bce_terms(logits, targets[label_mask], negative_weight)
         total_weight = ranks.sum_floats({"weight": float(weights.sum())})["weight"]  # the batch's, every rank
         loss = terms.sum() / total_weight  # this rank's share of the batch's weighted mean
