@@ -8,7 +8,8 @@ accuracy, first-error F1, best-of-N with `min` aggregation against majority vote
 labelling and training seconds from the stage's own summary.
 
     python benchmarks/prm_budget.py --parallel 2 --threads 1                # the built-in grid
-    python benchmarks/prm_budget.py --only default,lr1e-2_s600 topology=gpu  # a subset, on a GPU
+    python benchmarks/prm_budget.py --only classifier_default,lr1e-2_s600 topology=gpu  # a subset, on a GPU
+    python benchmarks/prm_budget.py --sft-ready --parallel 5 --threads 2 --pin --only sl_s150,sl_s200  # 2 cores each
 
 Extra arguments are overrides for every job (e.g. `topology=gpu`, `seed=1`). Seconds are only
 comparable between jobs of one run (the jobs share the machine).
@@ -25,32 +26,43 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-# name -> prm_train overrides; the default config first
+# the classifier-head PRM the first two runs measured (the default before the step_logprobs head):
+# 3000 steps, labels on 10,000 problems; every name up to `s1000_tokens` starts from it
+CLASSIFIER = ["prm_train.head=classifier", "prm_train.steps=3000", "prm_train.train_problems=10000"]
+# name -> prm_train overrides, the first one run alone first (it builds the SFT checkpoint)
 GRID: dict[str, list[str]] = {
+    "classifier_default": CLASSIFIER,
+    "s1000": [*CLASSIFIER, "prm_train.steps=1000"],
+    "s600": [*CLASSIFIER, "prm_train.steps=600"],
+    "lr1e-2_s600": [*CLASSIFIER, "prm_train.steps=600", "prm_train.lr=1e-2"],
+    "lr1e-2_s1000": [*CLASSIFIER, "prm_train.steps=1000", "prm_train.lr=1e-2"],
+    "lr3e-2_s600": [*CLASSIFIER, "prm_train.steps=600", "prm_train.lr=3e-2"],
+    "lr1e-2_s600_r32": [*CLASSIFIER, "prm_train.steps=600", "prm_train.lr=1e-2", "prm_train.r=32",
+                        "prm_train.alpha=64"],
+    "lr1e-2_s600_neg4": [*CLASSIFIER, "prm_train.steps=600", "prm_train.lr=1e-2", "prm_train.negative_weight=4"],
+    "lr1e-2_s1200_b128": [*CLASSIFIER, "prm_train.steps=1200", "prm_train.batch_rows=128", "prm_train.lr=1e-2"],
+    "lr1e-2_s2400_b64": [*CLASSIFIER, "prm_train.steps=2400", "prm_train.batch_rows=64", "prm_train.lr=1e-2"],
+    "lr1e-2_s600_sp0": [*CLASSIFIER, "prm_train.steps=600", "prm_train.lr=1e-2", "prm_train.samples_per_problem=0"],
+    "lr1e-2_s600_sp1": [*CLASSIFIER, "prm_train.steps=600", "prm_train.lr=1e-2", "prm_train.samples_per_problem=1"],
+    "lr1e-2_s600_tokens": [*CLASSIFIER, "prm_train.steps=600", "prm_train.lr=1e-2", "prm_train.head=label_tokens"],
+    "lr1e-2_s400": [*CLASSIFIER, "prm_train.steps=400", "prm_train.lr=1e-2"],
+    "s1500": [*CLASSIFIER, "prm_train.steps=1500"],
+    "s1000_b512": [*CLASSIFIER, "prm_train.steps=1000", "prm_train.batch_rows=512"],
+    "s2000_b128": [*CLASSIFIER, "prm_train.steps=2000", "prm_train.batch_rows=128"],
+    "s1000_sp0": [*CLASSIFIER, "prm_train.steps=1000", "prm_train.samples_per_problem=0"],
+    "s1500_sp0": [*CLASSIFIER, "prm_train.steps=1500", "prm_train.samples_per_problem=0"],
+    "s1000_neg4": [*CLASSIFIER, "prm_train.steps=1000", "prm_train.negative_weight=4"],
+    "s1000_r32": [*CLASSIFIER, "prm_train.steps=1000", "prm_train.r=32", "prm_train.alpha=64"],
+    "s1000_lr5e-3": [*CLASSIFIER, "prm_train.steps=1000", "prm_train.lr=5e-3"],
+    "s1000_lr1e-3": [*CLASSIFIER, "prm_train.steps=1000", "prm_train.lr=1e-3"],
+    "s1000_tokens": [*CLASSIFIER, "prm_train.steps=1000", "prm_train.head=label_tokens"],
+    # the embedded default since it runs in 12 CPU minutes: the step_logprobs head, 200 steps, 3000 problems
     "default": [],
-    "s1000": ["prm_train.steps=1000"],
-    "s600": ["prm_train.steps=600"],
-    "lr1e-2_s600": ["prm_train.steps=600", "prm_train.lr=1e-2"],
-    "lr1e-2_s1000": ["prm_train.steps=1000", "prm_train.lr=1e-2"],
-    "lr3e-2_s600": ["prm_train.steps=600", "prm_train.lr=3e-2"],
-    "lr1e-2_s600_r32": ["prm_train.steps=600", "prm_train.lr=1e-2", "prm_train.r=32", "prm_train.alpha=64"],
-    "lr1e-2_s600_neg4": ["prm_train.steps=600", "prm_train.lr=1e-2", "prm_train.negative_weight=4"],
-    "lr1e-2_s1200_b128": ["prm_train.steps=1200", "prm_train.batch_rows=128", "prm_train.lr=1e-2"],
-    "lr1e-2_s2400_b64": ["prm_train.steps=2400", "prm_train.batch_rows=64", "prm_train.lr=1e-2"],
-    "lr1e-2_s600_sp0": ["prm_train.steps=600", "prm_train.lr=1e-2", "prm_train.samples_per_problem=0"],
-    "lr1e-2_s600_sp1": ["prm_train.steps=600", "prm_train.lr=1e-2", "prm_train.samples_per_problem=1"],
-    "lr1e-2_s600_tokens": ["prm_train.steps=600", "prm_train.lr=1e-2", "prm_train.head=label_tokens"],
-    "lr1e-2_s400": ["prm_train.steps=400", "prm_train.lr=1e-2"],
-    "s1500": ["prm_train.steps=1500"],
-    "s1000_b512": ["prm_train.steps=1000", "prm_train.batch_rows=512"],
-    "s2000_b128": ["prm_train.steps=2000", "prm_train.batch_rows=128"],
-    "s1000_sp0": ["prm_train.steps=1000", "prm_train.samples_per_problem=0"],
-    "s1500_sp0": ["prm_train.steps=1500", "prm_train.samples_per_problem=0"],
-    "s1000_neg4": ["prm_train.steps=1000", "prm_train.negative_weight=4"],
-    "s1000_r32": ["prm_train.steps=1000", "prm_train.r=32", "prm_train.alpha=64"],
-    "s1000_lr5e-3": ["prm_train.steps=1000", "prm_train.lr=5e-3"],
-    "s1000_lr1e-3": ["prm_train.steps=1000", "prm_train.lr=1e-3"],
-    "s1000_tokens": ["prm_train.steps=1000", "prm_train.head=label_tokens"],
+    "cls_s300_p3000": ["prm_train.head=classifier", "prm_train.steps=300", "prm_train.train_problems=3000"],
+    "sl_s150": ["prm_train.head=step_logprobs", "prm_train.steps=150", "prm_train.train_problems=3000"],
+    "sl_s200": ["prm_train.head=step_logprobs", "prm_train.steps=200", "prm_train.train_problems=3000"],
+    "sl_s300": ["prm_train.head=step_logprobs", "prm_train.steps=300", "prm_train.train_problems=3000"],
+    "sl_s200_p2000": ["prm_train.head=step_logprobs", "prm_train.steps=200", "prm_train.train_problems=2000"],
 }
 
 
@@ -60,6 +72,8 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--artifacts", default="artifacts", help="artifacts dir shared by the jobs")
     parser.add_argument("--parallel", type=int, default=1, help="jobs at a time")
     parser.add_argument("--threads", type=int, default=0, help="torch/OMP threads per job; 0: torch's default")
+    parser.add_argument("--pin", action="store_true",
+                        help="pin job k of the run to its own --threads cores (taskset), k = 0, 1, ... in turn")
     parser.add_argument("--only", default="", help="comma-separated config names of GRID")
     parser.add_argument("--json", default="", help="also write the table as JSON here")
     parser.add_argument("--sft-ready", action="store_true",
@@ -67,10 +81,14 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     return parser.parse_known_args()
 
 
-def run_job(name: str, overrides: list[str], args, extra: list[str]) -> dict:
+def run_job(name: str, overrides: list[str], args, extra: list[str], slot: int = 0) -> dict:
     run_dir = Path(args.out).resolve() / name
     command = [sys.executable, "-m", "prmppo", "stage=prm", f"hydra.run.dir={run_dir}",
                f"artifacts_dir={Path(args.artifacts).resolve()}", "logger.console=false", *overrides, *extra]
+    if args.pin:
+        width = max(args.threads, 1)
+        first = (slot * width) % (os.cpu_count() or 1)
+        command = ["taskset", "-c", f"{first}-{first + width - 1}", *command]
     env = dict(os.environ)
     if args.threads:
         env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
@@ -104,8 +122,11 @@ def main() -> None:
         sys.exit(f"--only names {unknown}, not in {list(GRID)}")
     # unless --sft-ready, the first job makes (or reuses) the SFT checkpoint alone; the rest reuse it
     first = [] if args.sft_ready else [run_job(names[0], GRID[names[0]], args, extra)]
+    rest = names[len(first):]
     with ThreadPoolExecutor(max_workers=max(args.parallel, 1)) as pool:
-        results = first + list(pool.map(lambda n: run_job(n, GRID[n], args, extra), names[len(first):]))
+        slots = range(len(rest))
+        results = first + list(pool.map(lambda k: run_job(rest[k], GRID[rest[k]], args, extra, k % args.parallel),
+                                        slots))
     print("| config | step accuracy | first-error F1 | best-of-N min | majority vote | right-step label fraction | "
           "label s | train s | job wall s |")
     print("|---|---|---|---|---|---|---|---|---|")
