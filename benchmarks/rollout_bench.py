@@ -63,8 +63,11 @@ def build_policy(work: Path):
     from prmppo.models.loading import load_model, load_tokenizer
 
     register_schemas()
+    # LoRA factors alone: vLLM serves no full-weight copy of the final norm beside an adapter (the config
+    # refuses rollout=vllm with adapter sync and lora.modules_to_save), so neither engine gets one here
+    overrides = ["model.num_attention_heads=3", "model.num_key_value_heads=1", "lora.modules_to_save=[]"]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=["model.num_attention_heads=3", "model.num_key_value_heads=1"])
+        cfg = compose(config_name="config", overrides=overrides)
     task = build(cfg.task, "task")
     model_dir = build(cfg.model, "model").materialize(task, work / "model")
     tokenizer = load_tokenizer(model_dir)
