@@ -20,7 +20,6 @@ Runs on the CPU in about a minute for the default task.
 from __future__ import annotations
 
 import argparse
-import random
 
 import torch
 
@@ -85,7 +84,6 @@ def main() -> None:
     flat_problems = [q for q in problems for _ in range(args.samples)]
     flat_prompts = [p for p in prompts for _ in range(args.samples)]
     boundaries = StepBoundaries.from_tokenizer(tokenizer, task.step_delimiter)
-    labels = torch.zeros(len(responses), 0)
     rows = ScoreRows.build(flat_problems, flat_prompts, responses, tokenizer.pad_token_id)
     ends = boundaries.mask(rows.response_ids, rows.response_mask)  # [B, T]
     labels = torch.full(ends.shape, -1, dtype=torch.long)  # 1 right, 0 wrong, -1 unlabelled (after an error)
@@ -116,5 +114,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    random.seed(0)
     main()

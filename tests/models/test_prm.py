@@ -111,6 +111,8 @@ def test_step_logprobs_head_reads_each_steps_own_token_logprobs(tok):
 def test_step_logprobs_head_starts_as_lowest_logprob_rule_and_trains_the_adapter(tok):
     peft_model = new_prm(_model(tok), r=4, alpha=8, target_modules=TARGETS)
     head = make_head("step_logprobs", 32, tok)
+    # SCALE * (lowest + 1): the map starts on the step's least likely token alone
+    assert head.linear.weight.tolist() == [[1.0, 0.0, 0.0]] and head.linear.bias.tolist() == [1.0]
     rows = _rows(tok)
     ends = StepBoundaries.from_tokenizer(tok, "\n").mask(rows.response_ids, rows.response_mask)
     logits = prm_step_logits(peft_model, head, rows.input_ids, rows.attention_mask, rows.position_ids,
