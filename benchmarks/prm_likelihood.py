@@ -26,6 +26,7 @@ import torch
 from prmppo.models.loading import load_model, load_tokenizer
 from prmppo.models.prm import LearnedStepScorer, load_prm, step_logprob_stats
 from prmppo.models.prm_labels import PolicySampler, row_step_ends
+from prmppo.ppo.maths import logprobs_from_logits
 from prmppo.rewards.steps import StepBoundaries, align_step_labels
 from prmppo.stages.prm import ScoreRows
 from prmppo.tasks.arith import ArithTask
@@ -65,8 +66,8 @@ def sft_step_confidence(model, rows: ScoreRows, ends: torch.Tensor) -> torch.Ten
     """[B, T]: the SFT model's lowest token logprob in each step, at the step's end."""
     p = rows.prompt_length
     logits = model(input_ids=rows.input_ids, attention_mask=rows.attention_mask,
-                   position_ids=rows.position_ids).logits[:, p - 1:-1].float()
-    token_lp = torch.log_softmax(logits, -1).gather(-1, rows.input_ids[:, p:, None])[..., 0]
+                   position_ids=rows.position_ids).logits[:, p - 1:-1]
+    token_lp = logprobs_from_logits(logits, rows.input_ids[:, p:])
     return step_logprob_stats(token_lp, rows.attention_mask[:, p:].bool(), ends)[..., 0]
 
 

@@ -45,6 +45,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from prmppo.ppo.maths import logprobs_from_logits
 from prmppo.rewards.steps import StepBoundaries, align_step_labels
 from prmppo.rollout.hf_engine import find_adapter_dir
 
@@ -206,9 +207,8 @@ def prm_step_logits(model, head: nn.Module, input_ids: Tensor, attention_mask: T
     if head.reads == "token_logprobs":
         if step_ends is None:
             raise ValueError(f"prm head {head.kind!r} reads whole steps: prm_step_logits needs step_ends")
-        predicted = out.logits[:, :-1].float()  # [b, T, V]: position P - 1 + t predicts response token t
-        tokens = input_ids[:, prompt_length:]  # [b, T]
-        token_logprobs = torch.log_softmax(predicted, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [b, T]
+        # position P - 1 + t predicts response token t
+        token_logprobs = logprobs_from_logits(out.logits[:, :-1], input_ids[:, prompt_length:])  # [b, T]
     return head(StepInputs(hidden, logits, token_logprobs, valid, step_ends))
 
 
