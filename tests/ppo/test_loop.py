@@ -364,12 +364,22 @@ def test_an_fp32_models_lora_factors_are_fp32_without_masters():
     assert not _trainer(policy, _ppo()).masters.pairs
 
 
-def test_ppo_compile_compiles_each_decoder_layer_in_place():
+def test_ppo_compile_compiles_each_decoder_layer_in_place(monkeypatch):
     policy = _policy(critic=False)
     names = [name for name, _ in policy.model.named_parameters()]
+    compile_kwargs = []
+    compile_module = torch.nn.Module.compile
+
+    def spy(module, *args, **kwargs):
+        compile_kwargs.append(kwargs)
+        return compile_module(module, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "compile", spy)
     _trainer(policy, _ppo("ppo.compile=true"))
     layers = policy.model.get_base_model().model.layers
     assert all(layer._compiled_call_impl is not None for layer in layers)
+    # dynamic shapes from the first call: one graph for every micro-batch shape, no recompiles as widths vary
+    assert compile_kwargs == [{"dynamic": True}] * len(layers)
     assert [name for name, _ in policy.model.named_parameters()] == names  # checkpoints keep their keys
     assert policy.model.get_base_model().model.embed_tokens._compiled_call_impl is None  # layers only
 

@@ -258,9 +258,9 @@ class PPOConfig:
     # memory for ~1/3 more update compute; works with LoRA and with full fine-tuning
     gradient_checkpointing: bool = False
     # torch.compile each decoder layer of the policy in place (inductor fuses its norms, activations and
-    # LoRA branches; embeddings, LM-head chunks and losses stay eager). The first forwards pay the
-    # compilation (and one recompile as micro-batch widths vary); meant for CUDA. The no-grad pass and
-    # the update compile separate graphs, which may round differently (ppo/first_minibatch_ratio_dev)
+    # LoRA branches; embeddings, LM-head chunks and losses stay eager), with dynamic shapes. The first
+    # forwards pay the compilation; meant for CUDA. The old logprobs then run through the update's own
+    # (grad-mode) graph, so the first minibatch's ratio stays 1 (ppo/first_minibatch_ratio_dev)
     compile: bool = False
     ppo_epochs: int = 1
     # tokens

@@ -199,14 +199,15 @@ class _PolicyBase:
 
     def compile_decoder_layers(self) -> None:
         """`torch.compile` each decoder layer of the policy in place (`nn.Module.compile`: parameter
-        names, state dicts and the saved checkpoints are unchanged). Micro-batch widths vary, so dynamo
-        makes the sequence length dynamic after its first recompile."""
+        names, state dicts and the saved checkpoints are unchanged), with dynamic shapes from the first
+        call: micro-batch rows and widths vary, and one graph per grad mode serves them all, so a
+        micro-batch runs the same kernels in the old-logprob pass as in the update."""
         layers = getattr(_causal_lm(self.model).get_decoder(), "layers", None)
         if not isinstance(layers, nn.ModuleList) or not len(layers):
             raise ValueError(f"ppo.compile: {type(_causal_lm(self.model)).__name__}'s decoder has no `layers` list "
                              f"to compile (Llama, Mistral and Qwen2 have one); set ppo.compile=false")
         for layer in layers:
-            layer.compile()
+            layer.compile(dynamic=True)
 
     def forward(self, input_ids, attention_mask, position_ids) -> tuple[torch.Tensor, torch.Tensor]:
         """Policy logits [B, L, V] and values [B, L]."""

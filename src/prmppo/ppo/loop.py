@@ -244,8 +244,12 @@ class PPOTrainer:
                                                               batch.position_ids))
         response_ids, micro_mask = (t[rows, :width].to(dev) for t in (batch.response_ids, response_mask))
         with self._precision():
-            scored = self.policy.score(ids, att, pos, response_ids, micro_mask, plen, ppo.temperature,
-                                       ppo.logit_chunk_tokens)
+            # compiled layers: the policy's scores come from the graph the update's forward runs (grad mode),
+            # detached at once; a no-grad graph is another compilation, whose kernels round differently
+            with torch.enable_grad() if ppo.compile else torch.no_grad():
+                scored = self.policy.score(ids, att, pos, response_ids, micro_mask, plen, ppo.temperature,
+                                           ppo.logit_chunk_tokens)
+            scored = type(scored)(*(None if t is None else t.detach() for t in scored))
             ref = self.policy.reference_score(ids, att, pos, response_ids, micro_mask, plen, ppo.temperature,
                                               ppo.logit_chunk_tokens)
         return scored, ref, micro_mask, plen
