@@ -23,12 +23,14 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from prmppo.app import run
 from prmppo.config.paths import conf_dir
 from prmppo.config.store import register_schemas
-from prmppo.dist.launch import LaunchError, torchrun_world_size
 from prmppo.errors import EXIT_REFUSED, EXIT_STOPPED, PrmppoError, StopRequested
+from prmppo.rollout import standby
 from prmppo.sweep import objective_value, run_sweep_job, warn_inert_overrides
+
+# torch, transformers and peft come in with prmppo.app, imported in main() once the config is composed
+# and a `stage=ppo` run's rollout worker has started importing the same beside this process
 
 # the packaged config (`prmppo.conf`, built from the repo's conf/), wherever prmppo is installed
 CONF_DIR = str(conf_dir())
@@ -38,6 +40,8 @@ register_schemas()
 
 def _check_run_dir_given(hydra_overrides: list[str]) -> None:
     """Several torchrun processes must share one run dir: Hydra's default (a timestamp) differs between them."""
+    from prmppo.dist.launch import LaunchError, torchrun_world_size
+
     world = torchrun_world_size()
     if world is not None and world > 1 and not any(o.startswith("hydra.run.dir=") for o in hydra_overrides):
         raise LaunchError(f"torchrun started {world} processes but no hydra.run.dir=<dir> was given: the default run "
@@ -47,6 +51,10 @@ def _check_run_dir_given(hydra_overrides: list[str]) -> None:
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> float:
     hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.RUN:
+        standby.start_for(cfg)  # the rollout worker's imports run beside the ones below
+    from prmppo.app import run
+
     warn_inert_overrides(cfg, list(hydra_cfg.overrides.task))
     try:
         _check_run_dir_given(list(hydra_cfg.overrides.hydra))

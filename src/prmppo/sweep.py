@@ -28,11 +28,18 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from prmppo.app import run
-from prmppo.config.validate import inert_keys
 from prmppo.errors import ConfigError, PrmppoError, StopRequested
 from prmppo.logger import write_json_atomic
-from prmppo.stages.common import write_stage_result
+
+# Hydra imports this module for its callback (conf/config.yaml hydra.callbacks) before any job runs, so
+# what brings in torch, transformers and peft is imported when a job needs it, not here
+
+
+def run(cfg: DictConfig) -> dict:
+    """`app.run`: the job itself."""
+    from prmppo.app import run as run_app
+
+    return run_app(cfg)
 
 log = logging.getLogger("prmppo")
 
@@ -61,6 +68,8 @@ def override_keys(overrides: list[str]) -> dict[str, str]:
 def warn_inert_overrides(cfg: DictConfig, overrides: list[str]) -> list[str]:
     """Warn about overridden keys that this config never reads (a sweep over them repeats one run)."""
     try:
+        from prmppo.config.validate import inert_keys
+
         never_read = inert_keys(cfg)
     except ConfigError:
         return []  # a reward that cannot be built: validation refuses it with the reason
@@ -86,6 +95,8 @@ def run_sweep_job(cfg: DictConfig) -> float:
             log.error("job refused: %s", err)
         else:
             log.exception("job crashed: %s", err)
+        from prmppo.stages.common import write_stage_result
+
         write_stage_result(Path(cfg.run_dir), cfg, cfg.stage.name, {}, status="failed", error=error)
         return math.nan
 

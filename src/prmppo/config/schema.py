@@ -202,6 +202,10 @@ class RolloutConfig:
     # graphs on CUDA) | static_eager (the same without CUDA graphs) | dynamic (the model's own growing
     # cache, every row fed until all are done: the fallback); rollout/hf_engine.py
     decode: str = "static"
+    # hf only: `python -m prmppo stage=ppo` starts the worker process as soon as the config is composed,
+    # so that its imports (torch, transformers, peft, the model's module) run beside the trainer's;
+    # the run hands it its arguments when it launches the engine (rollout/standby.py)
+    standby: bool = True
 
 
 # --------------------------------------------------------------------------- topology

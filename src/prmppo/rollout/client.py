@@ -25,6 +25,7 @@ Run the tests: `PYTHONPATH=src pytest tests/rollout/test_worker.py -q`.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -49,6 +50,7 @@ from prmppo.rollout.protocol import (
 )
 
 LOG_TAIL_LINES = 30
+LOG = logging.getLogger("prmppo.rollout.client")
 POLL_INTERVAL_S = 0.02
 SHUTDOWN_GRACE_S = 5.0
 PROBE_TIMEOUT_S = 180.0
@@ -247,15 +249,23 @@ class RolloutClient:
             "--device", self.device, "--dtype", self.dtype, "--engine-options", json.dumps(self.engine_options),
         ]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log_file:  # the child keeps its own copy of the fd
-            # its own session: a SIGTERM to the trainer's process group (torchrun or SLURM stopping the job)
-            # must not kill the engine mid-request before the coordinated stop; the trainer closes it, and it
-            # exits by itself when the trainer dies (the parent check in the worker's loop)
-            self._proc = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                env=worker_env(worker_import_dir(self.spool.root / WORKER_IMPORT_DIR), self.env),
-                start_new_session=True,
-            )
+        from prmppo.rollout import standby  # the one the entry point started, with its imports under way
+
+        waiting = standby.take(self.python, self.engine) if self.env is None else None
+        if waiting is not None and standby.activate(waiting, command[3:], self.log_path):
+            self._proc = waiting  # it runs `main(command[3:])` with its output in the log
+            LOG.info("rollout worker: the standby started with the run (pid %d), its imports done or under way",
+                     waiting.pid)
+        else:
+            with open(self.log_path, "ab") as log_file:  # the child keeps its own copy of the fd
+                # its own session: a SIGTERM to the trainer's process group (torchrun or SLURM stopping the job)
+                # must not kill the engine mid-request before the coordinated stop; the trainer closes it, and
+                # it exits by itself when the trainer dies (the parent check in the worker's loop)
+                self._proc = subprocess.Popen(
+                    command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                    env=worker_env(worker_import_dir(self.spool.root / WORKER_IMPORT_DIR), self.env),
+                    start_new_session=True,
+                )
         self._served = None
         self._launched_at = time.monotonic()
 
@@ -406,7 +416,7 @@ class RolloutClient:
 
 def rollout_client(engine: str, python: str, sync: str, sync_every_iterations: int, startup_timeout_s: float,
                    request_timeout_s: float, heartbeat_timeout_s: float, gpu_memory_utilization: float,
-                   decode: str, *,
+                   decode: str, standby: bool, *,
                    spool_dir: str | os.PathLike, base_model_dir: str | os.PathLike, log_path: str | os.PathLike,
                    device: str, dtype: str, lora_rank: int, seed: int) -> RolloutClient:
     """The (not yet started) worker client a run's `rollout` config node describes: that node's `_target_`.
@@ -417,7 +427,7 @@ def rollout_client(engine: str, python: str, sync: str, sync_every_iterations: i
     `sync_every_iterations` belongs to the weight
     sync (`ppo/sync.py WeightSync`), which reads the same node.
     """
-    del sync_every_iterations
+    del sync_every_iterations, standby  # the weight sync's, and the entry point's (rollout/standby.py)
     if engine == "vllm":
         options = {"gpu_memory_utilization": gpu_memory_utilization, "seed": seed,
                    "max_lora_rank": lora_rank if sync == "adapter" else 0}

@@ -228,7 +228,41 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def standby_main(engine: str, model_type: str = "") -> int:
+    """`--standby ENGINE [MODEL_TYPE]` (`rollout/standby.py`): import the engine's module and, given a
+    transformers `model_type`, that architecture's modeling module (which transformers would import
+    lazily inside `from_pretrained`); then read one JSON line from stdin, {"argv": the worker's
+    arguments, "log": its log file}, point stdout and stderr at that log and run as `main(argv)`. A
+    closed stdin (the trainer took no worker) exits 0. A failed import is left for `main` to meet
+    again and report through the heartbeat."""
+    modules = [ENGINE_CLASSES[engine].split(":")[0]] if engine in ENGINE_CLASSES else []
+    if model_type.isidentifier():
+        modules.append(f"transformers.models.{model_type}.modeling_{model_type}")
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001 - main() builds the engine and reports why it cannot
+            pass
+    line = sys.stdin.readline()
+    if not line.strip():
+        return EXIT_SHUTDOWN
+    order = json.loads(line)
+    log = os.open(order["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    return main(order["argv"])
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--standby"] and len(argv) in (2, 3):
+        return standby_main(*argv[1:])
     args = parse_args(argv)
     logging.basicConfig(
         stream=sys.stderr,
