@@ -33,7 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import prmppo
+from prmppo.rollout import standby
+from prmppo.rollout.process import resolve_python, worker_env, worker_import_dir
 from prmppo.rollout.protocol import (
     EngineStartError,
     ErrorResult,
@@ -55,43 +56,6 @@ POLL_INTERVAL_S = 0.02
 SHUTDOWN_GRACE_S = 5.0
 PROBE_TIMEOUT_S = 180.0
 WORKER_IMPORT_DIR = "worker_pythonpath"  # in the spool: the worker's view of prmppo
-
-
-def package_dir() -> Path:
-    """The directory of the `prmppo` package the trainer runs (a source tree, or site-packages/prmppo)."""
-    package_file = getattr(prmppo, "__file__", None)
-    return (Path(package_file).parent if package_file else Path(next(iter(prmppo.__path__)))).resolve()
-
-
-def worker_import_dir(directory: Path) -> str:
-    """`directory`, made to hold only `prmppo`, a link to the trainer's package: the worker's PYTHONPATH.
-
-    Not the package's parent: under a non-editable install that is the trainer's site-packages,
-    whose torch and transformers would shadow the engine environment's own (vLLM pins its torch).
-    """
-    link, target = directory / "prmppo", package_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    if not (link.is_symlink() and link.resolve() == target):
-        link.unlink(missing_ok=True)
-        link.symlink_to(target, target_is_directory=True)
-    return str(directory)
-
-
-def worker_env(import_dir: str, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a worker process: `base` (default: this one) with `import_dir` first on PYTHONPATH."""
-    env = dict(os.environ if base is None else base)
-    existing = env.get("PYTHONPATH", "")
-    env["PYTHONPATH"] = import_dir + (os.pathsep + existing if existing else "")
-    return env
-
-
-def resolve_python(python: str) -> str:
-    """An interpreter path made absolute against the working directory (under `python -m prmppo`, the
-    launch directory: hydra.job.chdir stays false); "" means this interpreter.
-
-    Symlinks are kept: a venv's bin/python is a link whose target would lose the venv.
-    """
-    return os.path.abspath(python) if python else sys.executable
 
 
 def probe_engine_python(python: str, packages: tuple[str, ...], timeout_s: float = PROBE_TIMEOUT_S) -> dict:
@@ -249,8 +213,6 @@ class RolloutClient:
             "--device", self.device, "--dtype", self.dtype, "--engine-options", json.dumps(self.engine_options),
         ]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        from prmppo.rollout import standby  # the one the entry point started, with its imports under way
-
         waiting = standby.take(self.python, self.engine) if self.env is None else None
         if waiting is not None and standby.activate(waiting, command[3:], self.log_path):
             self._proc = waiting  # it runs `main(command[3:])` with its output in the log

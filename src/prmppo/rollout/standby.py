@@ -25,7 +25,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from prmppo.rollout.client import resolve_python, worker_env, worker_import_dir
+from prmppo.rollout.process import resolve_python, worker_env, worker_import_dir
 
 STANDBY_ENGINES = ("hf",)
 _WAITING: dict[tuple[str, str], subprocess.Popen] = {}  # (interpreter, engine) -> a standby not yet taken
