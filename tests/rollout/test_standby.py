@@ -4,6 +4,7 @@ by `RolloutClient.launch`, and gone when nobody takes it."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -71,7 +72,7 @@ def test_a_standby_that_died_is_replaced_by_a_fresh_worker(tmp_path, base_dir):
 def test_a_client_with_its_own_environment_starts_its_own_worker(tmp_path, base_dir):
     waiting = standby.start(sys.executable, "hf", None)
     client = RolloutClient(tmp_path / "spool", "hf", base_dir, tmp_path / "worker.log", startup_timeout_s=60,
-                           request_timeout_s=60, heartbeat_timeout_s=30, env={**__import__("os").environ})
+                           request_timeout_s=60, heartbeat_timeout_s=30, env=dict(os.environ))
     with client:
         assert client.pid != waiting.pid
     assert standby.take(sys.executable, "hf") is waiting  # still waiting for a client it fits
