@@ -335,11 +335,22 @@ def profile_update(trainer, train, plan, device: str, rows: int = 20) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     _sync(device)
     with profile(activities=activities) as prof:
+        start = time.perf_counter()
         trainer.update(train, 0, plan)
         _sync(device)
+        wall = time.perf_counter() - start
     sort = "cuda_time_total" if cuda else "cpu_time_total"
+    averages = prof.key_averages()
     print(f"profile of one new-path update, top {rows} ops by {sort}:")
-    print(prof.key_averages().table(sort_by=sort, row_limit=rows))
+    print(averages.table(sort_by=sort, row_limit=rows))
+    if cuda:
+        # device time summed over every kernel and copy (they run one at a time on one stream), against the
+        # wall time of the same update: the rest is time the GPU waited for the host
+        busy = sum(e.self_device_time_total for e in averages) / 1e6
+        waits = {e.key: e.count for e in averages if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                                 "cudaMemcpyAsync", "cudaEventSynchronize")}
+        print(f"device busy {busy:.3f} s of {wall:.3f} s wall ({100 * busy / wall:.0f}%) under the profiler; "
+              f"host calls that can wait on the device: {waits}")
 
 
 def report(args, results: dict, tokens: int, padded: int) -> None:

@@ -49,8 +49,11 @@ def token_scores(head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, ma
                          f"must agree on [rows, response tokens]")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1 (ppo.logit_chunk_tokens)")
-    where = mask.bool()  # [b, T]
-    picked_hidden, picked_tokens = hidden[where], tokens[where]  # [n, H], [n]
+    # the masked positions by index: the host learns their count once here, and the backward (an index_add
+    # and a gather) needs no count again, where a boolean selection asks for it in both directions
+    flat = mask.reshape(-1).nonzero().squeeze(1)  # [n] positions in the flattened [b * T]
+    picked_hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat)  # [n, H]
+    picked_tokens = tokens.reshape(-1).index_select(0, flat)  # [n]
     recompute = torch.is_grad_enabled()
     parts = []
     for h, t in zip(picked_hidden.split(chunk_tokens), picked_tokens.split(chunk_tokens)):
@@ -60,6 +63,6 @@ def token_scores(head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, ma
         else:
             parts.append(_chunk_scores(head, h, t, temperature, with_entropy, entropy_grad))
     scores = torch.cat(parts) if parts else hidden.new_zeros((0, 2), dtype=torch.float32)  # [n, 2]
-    out = hidden.new_zeros((*tokens.shape, 2), dtype=torch.float32).masked_scatter(where[..., None], scores)
+    out = hidden.new_zeros((tokens.numel(), 2), dtype=torch.float32).index_copy(0, flat, scores).view(*tokens.shape, 2)
     entropy = (out[..., 1] if entropy_grad else out[..., 1].detach()) if with_entropy else None
     return out[..., 0], entropy  # [b, T] each

@@ -67,9 +67,12 @@ class TrainBatch:
         picked = {f.name: getattr(self, f.name) for f in fields(self)}
         return TrainBatch(**{k: (v[index] if isinstance(v, Tensor) else v) for k, v in picked.items()})
 
-    def trimmed(self) -> "TrainBatch":
-        """The same rows without the columns that are padding in every one of them."""
-        columns, width, prompt_length = trim_columns(self.attention_mask, self.response_mask, self.prompt_length)
+    def trimmed(self, cut: tuple[slice, int, int] | None = None) -> "TrainBatch":
+        """The same rows without the columns that are padding in every one of them. `cut` is
+        `trim_columns`' answer for these rows where the caller has it from host copies of the masks
+        (reading it off device tensors makes the host wait for the device)."""
+        columns, width, prompt_length = cut or trim_columns(self.attention_mask, self.response_mask,
+                                                            self.prompt_length)
         picked = {f.name: getattr(self, f.name) for f in fields(self)}
         out = {k: v[:, columns] if k in ("input_ids", "attention_mask", "position_ids") else v[:, :width]
                for k, v in picked.items() if isinstance(v, Tensor)}

@@ -225,7 +225,7 @@ class PPOTrainer:
                 continue
             scored, ref, micro_mask, plen = self._score_rows(batch, rows, response_mask)
             width = micro_mask.shape[1]
-            rows = rows.to(dev)
+            rows = rows.to(dev, non_blocking=True)
             old_lp[rows, :width], ref_lp[rows, :width] = scored.logprobs, ref
             if scored.values is not None:
                 values[rows, :width] = scored.values[:, plen - 1:plen - 1 + width]  # V(s_t): before response token t
@@ -240,9 +240,11 @@ class PPOTrainer:
         for `rows` [b] of `batch`, cut to the columns `response_mask` uses."""
         dev, ppo = self.device, self.ppo
         columns, width, plen = trim_columns(batch.attention_mask[rows], response_mask[rows], batch.prompt_length)
-        ids, att, pos = (t[rows][:, columns].to(dev) for t in (batch.input_ids, batch.attention_mask,
-                                                              batch.position_ids))
-        response_ids, micro_mask = (t[rows, :width].to(dev) for t in (batch.response_ids, response_mask))
+        # host-to-device copies that do not wait for the device to drain (CUDA stages the host memory at once)
+        ids, att, pos = (t[rows][:, columns].to(dev, non_blocking=True) for t in (batch.input_ids, batch.attention_mask,
+                                                                                  batch.position_ids))
+        response_ids, micro_mask = (t[rows, :width].to(dev, non_blocking=True) for t in (batch.response_ids,
+                                                                                        response_mask))
         with self._precision():
             # compiled layers: the policy's scores come from the graph the update's forward runs (grad mode),
             # detached at once; a no-grad graph is another compilation, whose kernels round differently
@@ -375,6 +377,9 @@ class PPOTrainer:
         train_policy = iteration >= ppo.value_warmup_iterations
         if plan is None:
             plan = self._plan_from_masks(train.attention_mask, train.response_mask, iteration)
+        # host copies of the masks: each micro-batch's rows, columns and token counts are read from these,
+        # so the loop below never waits for the device to answer a question about its own tensors
+        host = (train.attention_mask.cpu(), train.response_mask.cpu())
         self.policy.train(False)  # dropout off, as when the old logprobs were taken: ratio 1 before any step
         sums: dict[str, float] = {}
         micro_count, steps, empty = 0, [], 0
@@ -383,8 +388,8 @@ class PPOTrainer:
                        enabled=self.show_progress, leave=False)
         for epoch in plan.epochs:
             for minibatch in epoch:
-                if train.response_mask[minibatch.rows.to(train.input_ids.device)].any():
-                    ran, ratio = self._accumulate(train, minibatch, train_policy, sums)
+                if host[1][minibatch.rows].any():
+                    ran, ratio = self._accumulate(train, host, minibatch, train_policy, sums)
                     micro_count += ran
                     first_ratio = first_ratio or ratio
                     steps.append(self._step(train_policy))
@@ -397,27 +402,31 @@ class PPOTrainer:
             log.info("ppo iteration %d: every group was dropped (all right or all wrong): no update", iteration)
         return self._update_metrics(sums, steps, micro_count, first_ratio, empty)
 
-    def _accumulate(self, train: TrainBatch, minibatch: Minibatch, train_policy: bool, sums: dict
-                    ) -> tuple[int, tuple | None]:
+    def _accumulate(self, train: TrainBatch, host: tuple[torch.Tensor, torch.Tensor], minibatch: Minibatch,
+                    train_policy: bool, sums: dict) -> tuple[int, tuple | None]:
         """Backward every micro-batch of `minibatch` that holds a response token, adding their statistics
-        to `sums`; returns (micro-batches run, (ratio min, ratio max) of the first one when training the policy)."""
+        to `sums`; returns (micro-batches run, (ratio min, ratio max) of the first one when training the
+        policy). `host` holds CPU copies of `train`'s attention and response masks, from which the
+        micro-batches are cut; the statistics stay device tensors (`_update_metrics` reads them once)."""
         device = train.input_ids.device
-        response_mask = train.response_mask[minibatch.rows.to(device)]  # [m, T]
+        attention, update_mask = host
+        response_mask = update_mask[minibatch.rows]  # [m, T]
         tokens = float(response_mask.sum())
         seqs = float((response_mask.sum(-1) > 0).sum())
         ran, ratio = 0, None
         for micro in self.ranks.deal(list(minibatch.micro_batches)):  # this rank's turns of the minibatch
-            # rows of similar length, no all-padding column
-            part = None if micro is None else train.rows(micro.to(device)).trimmed()
-            if part is None or not part.response_mask.any():  # no rows here, or only rows of dropped groups
+            if micro is None or not update_mask[micro].any():  # no rows here, or only rows of dropped groups
                 self.ranks.idle_pass(lambda: self._idle_micro(train, minibatch, tokens, seqs, train_policy, sums))
                 continue
+            # rows of similar length, no all-padding column
+            cut = trim_columns(attention[micro], update_mask[micro], train.prompt_length)
+            part = train.rows(micro.to(device, non_blocking=True)).trimmed(cut)
             loss, stats = self._micro_loss(part, tokens, seqs, train_policy)
             loss.backward()
             if ratio is None and train_policy:
-                ratio = (float(stats["ppo/ratio_min"]), float(stats["ppo/ratio_max"]))
+                ratio = (stats["ppo/ratio_min"], stats["ppo/ratio_max"])
             for key, value in stats.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
+                sums[key] = sums.get(key, 0.0) + (value.detach() if isinstance(value, torch.Tensor) else value)
             ran += 1
         return ran, ratio
 
@@ -435,6 +444,8 @@ class PPOTrainer:
 
     def _update_metrics(self, sums: dict, steps: list[dict], micro_count: int, first_ratio: tuple | None,
                         empty: int) -> dict:
+        sums = {key: float(value) for key, value in sums.items()}  # the device's sums, read once per update
+        first_ratio = None if first_ratio is None else (float(first_ratio[0]), float(first_ratio[1]))
         sums = self.ranks.sum_floats({**sums, "micro_count": micro_count})  # over every rank's micro-batches
         micro_count = sums.pop("micro_count")
         metrics = {key: value / (len(steps) if key in _ADDITIVE else max(micro_count, 1))

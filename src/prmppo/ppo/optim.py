@@ -62,8 +62,8 @@ class MasterWeights:
 
     @torch.no_grad()
     def masters_to_model(self) -> None:
-        for p, master in self.pairs:
-            p.copy_(master)
+        if self.pairs:  # one multi-tensor launch (rounding to the model's dtype as `copy_` does), not one per tensor
+            torch._foreach_copy_([p for p, _ in self.pairs], [master for _, master in self.pairs])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {str(i): master.detach().cpu() for i, (_, master) in enumerate(self.pairs)}
