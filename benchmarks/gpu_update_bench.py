@@ -16,7 +16,8 @@ uniform in [`--min-new-tokens`, `--new-tokens`] (set both equal for all-full-len
 token ids, random advantages, `ppo.advantage_estimator=rloo` (no critic; `--critic` for gae). The
 no-grad forwards that make the old and reference logprobs (`_old_and_reference`, step 3 of the
 loop, over the update's plan) are timed too. `--profile` prints torch.profiler's top-20 ops of
-one more new-path update. One untimed warm-up update, then `--repeats` timed ones.
+one more new-path update, the share of that update's wall time the device was busy, and how many
+host calls that can wait on the device it made. One untimed warm-up update, then `--repeats` timed ones.
 
 Two paths, fresh model and optimizer each, same data:
 - `new`: the code as it is (chunked LM-head logprobs, length-bucketed micro-batches cut to their
@@ -344,9 +345,11 @@ def profile_update(trainer, train, plan, device: str, rows: int = 20) -> None:
     print(f"profile of one new-path update, top {rows} ops by {sort}:")
     print(averages.table(sort_by=sort, row_limit=rows))
     if cuda:
-        # device time summed over every kernel and copy (they run one at a time on one stream), against the
-        # wall time of the same update: the rest is time the GPU waited for the host
-        busy = sum(e.self_device_time_total for e in averages) / 1e6
+        # device time summed over the device's own events (kernels and copies, which run one at a time on one
+        # stream; the table's "Self CUDA time total"), against the wall time of the same update: the rest is
+        # time the GPU waited for the host
+        busy = sum(e.self_device_time_total for e in averages
+                   if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
         waits = {e.key: e.count for e in averages if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
                                                                  "cudaMemcpyAsync", "cudaEventSynchronize")}
         print(f"device busy {busy:.3f} s of {wall:.3f} s wall ({100 * busy / wall:.0f}%) under the profiler; "

@@ -225,7 +225,7 @@ class PPOTrainer:
                 continue
             scored, ref, micro_mask, plen = self._score_rows(batch, rows, response_mask)
             width = micro_mask.shape[1]
-            rows = rows.to(dev, non_blocking=True)
+            rows = rows.to(dev)
             old_lp[rows, :width], ref_lp[rows, :width] = scored.logprobs, ref
             if scored.values is not None:
                 values[rows, :width] = scored.values[:, plen - 1:plen - 1 + width]  # V(s_t): before response token t
@@ -240,11 +240,9 @@ class PPOTrainer:
         for `rows` [b] of `batch`, cut to the columns `response_mask` uses."""
         dev, ppo = self.device, self.ppo
         columns, width, plen = trim_columns(batch.attention_mask[rows], response_mask[rows], batch.prompt_length)
-        # host-to-device copies that do not wait for the device to drain (CUDA stages the host memory at once)
-        ids, att, pos = (t[rows][:, columns].to(dev, non_blocking=True) for t in (batch.input_ids, batch.attention_mask,
-                                                                                  batch.position_ids))
-        response_ids, micro_mask = (t[rows, :width].to(dev, non_blocking=True) for t in (batch.response_ids,
-                                                                                        response_mask))
+        ids, att, pos = (t[rows][:, columns].to(dev) for t in (batch.input_ids, batch.attention_mask,
+                                                              batch.position_ids))
+        response_ids, micro_mask = (t[rows, :width].to(dev) for t in (batch.response_ids, response_mask))
         with self._precision():
             # compiled layers: the policy's scores come from the graph the update's forward runs (grad mode),
             # detached at once; a no-grad graph is another compilation, whose kernels round differently
