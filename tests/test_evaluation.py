@@ -125,3 +125,33 @@ def test_score_counts_scripted_outcomes_by_hand(task):
         # pass@2: p0 1 - C(2,2)/C(4,2) = 5/6, p1 0, p2 1 -> (5/6 + 0 + 1) / 3 = 11/18
         assert sampled["pass@2"] == pytest.approx(11 / 18)
         assert "greedy_accuracy" not in sampled
+
+
+def test_generation_runs_compiled_decoder_layers_eagerly(task):
+    """The test evaluation and the canary during PPO generate with the trainer's policy, whose decoder layers
+    `ppo.compile` compiled: generating through them would compile a graph per layer and KV-cache state, and past
+    dynamo's recompile limit (8) the update's own graphs would never be compiled. A counting backend records
+    each graph dynamo hands it."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch._dynamo.reset()
+    tokenizer = build_char_tokenizer(task.alphabet())
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id))
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    for layer in model.model.layers:
+        layer.compile(backend=counting, dynamic=True)
+    result = score(model, tokenizer, task, task.problems("test")[:3], k=2, temperature=1.0, max_new_tokens=6,
+                   batch_rows=8, seed=0)
+    assert result["n_problems"] == 3.0
+    assert graphs == []  # nothing compiled while generating
+    ids = torch.tensor([tokenizer("1+2\n")["input_ids"]])
+    model(input_ids=ids, attention_mask=torch.ones_like(ids))  # a plain forward, as the update runs
+    assert graphs, "the layers are compiled outside generation: the counting backend saw their graphs"
+    torch._dynamo.reset()

@@ -32,13 +32,17 @@ def generate_texts(model, tokenizer, prompts: list[str], *, n: int, temperature:
     texts: list[str] = []
     batches = range(0, len(prompt_ids), per_batch)
     desc = "greedy" if temperature == 0 else f"sampling x{n}"
-    for start in progress(batches, desc=desc, unit="batch", enabled=show_progress, leave=False):
-        generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed + start)
-        tokens, _, _ = sample_responses(
-            model, prompt_ids[start:start + per_batch], n_samples_per_prompt=n, max_new_tokens=max_new_tokens,
-            temperature=temperature, top_p=1.0, generator=generator,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        texts.extend(tokenizer.decode(row, skip_special_tokens=True) for row in tokens)
+    # decoder layers compiled for the PPO update (`ppo.compile`: the test evaluation and the canary during PPO
+    # generate with the trainer's policy) run eagerly here: with a KV cache each layer and cache state would
+    # be a new graph, and past dynamo's recompile limit the update's own graphs would never be compiled
+    with torch.compiler.set_stance("force_eager"):
+        for start in progress(batches, desc=desc, unit="batch", enabled=show_progress, leave=False):
+            generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed + start)
+            tokens, _, _ = sample_responses(
+                model, prompt_ids[start:start + per_batch], n_samples_per_prompt=n, max_new_tokens=max_new_tokens,
+                temperature=temperature, top_p=1.0, generator=generator,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+            texts.extend(tokenizer.decode(row, skip_special_tokens=True) for row in tokens)
     return texts
 
 
