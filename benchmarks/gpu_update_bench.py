@@ -246,7 +246,7 @@ def make_old_path_trainer():
                               **{f"ppo/{k}": v for k, v in pstats._asdict().items()}})
             return loss, stats
 
-        def _accumulate(self, train, minibatch, train_policy, sums):
+        def _accumulate(self, train, host, minibatch, train_policy, sums):  # noqa: ARG002 - cut on the device
             minibatch = train.rows(minibatch.rows.to(train.input_ids.device))
             tokens = float(minibatch.response_mask.sum())
             seqs = float((minibatch.response_mask.sum(-1) > 0).sum())
