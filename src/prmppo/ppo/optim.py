@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 AUTOCAST_MODES = ("none", "bfloat16")  # ppo.autocast
@@ -32,6 +33,11 @@ def adamw(params, lr: float, betas: tuple[float, float]) -> torch.optim.AdamW:
     tensors = [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
     on_cuda = bool(tensors) and all(p.is_cuda for p in tensors)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, weight_decay=0.0, fused=True if on_cuda else None)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (a view of its storage); any other tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class MasterWeights:
@@ -62,8 +68,11 @@ class MasterWeights:
 
     @torch.no_grad()
     def masters_to_model(self) -> None:
-        if self.pairs:  # one multi-tensor launch (rounding to the model's dtype as `copy_` does), not one per tensor
-            torch._foreach_copy_([p for p, _ in self.pairs], [master for _, master in self.pairs])
+        """One multi-tensor launch (rounding to the model's dtype as `copy_` does), not one per tensor. FSDP2's
+        parameters are DTensors, for which torch registers no foreach copy: they copy shard to shard (a master
+        has its parameter's sharding)."""
+        if self.pairs:
+            torch._foreach_copy_([_local(p) for p, _ in self.pairs], [_local(master) for _, master in self.pairs])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {str(i): master.detach().cpu() for i, (_, master) in enumerate(self.pairs)}
