@@ -223,3 +223,33 @@ def test_a_prm_loads_beside_a_bf16_policys_bf16_adapter(tok, tmp_path):
     assert policy.model.active_adapter == "policy"
     logits_after, _ = policy.forward(rows.input_ids, rows.attention_mask, rows.position_ids)
     assert torch.equal(logits_before, logits_after)
+
+
+@pytest.mark.parametrize("kind", ["classifier", "label_tokens", "step_logprobs"])
+def test_prm_scoring_leaves_no_forward_hooks_on_the_shared_model(tok, kind):
+    """Under LoRA the PRM is an adapter on the policy's own model. Asking that model for its hidden states
+    makes transformers install output-capturing forward hooks on its modules, which stay; dynamo then breaks
+    each of the policy's compiled decoder layers at them (`ppo.compile`). The logits must not change: they
+    equal those of the model's own forward with its hidden states, bit for bit."""
+    from prmppo.models.prm import StepInputs
+    from prmppo.ppo.maths import logprobs_from_logits
+
+    peft_model = new_prm(_model(tok), r=4, alpha=8, target_modules=TARGETS)
+    head = make_head(kind, 32, tok)
+    rows = _rows(tok)
+    plen = rows.prompt_length
+    ends = StepBoundaries.from_tokenizer(tok, "\n").mask(rows.response_ids, rows.response_mask)
+    hooks = lambda: sum(len(m._forward_hooks) for m in peft_model.modules())  # noqa: E731
+    before = hooks()
+    logits = prm_step_logits(peft_model, head, rows.input_ids, rows.attention_mask, rows.position_ids, plen, ends)
+    assert hooks() == before
+    t = rows.input_ids.shape[1] - plen
+    keep = {"hidden": 1, "next_logits": t, "token_logprobs": t + 1}[head.reads]
+    out = peft_model(input_ids=rows.input_ids, attention_mask=rows.attention_mask, position_ids=rows.position_ids,
+                     output_hidden_states=True, use_cache=False, logits_to_keep=keep)
+    assert hooks() > before  # what the model's own forward leaves behind
+    token_lp = (logprobs_from_logits(out.logits[:, :-1], rows.input_ids[:, plen:])
+                if head.reads == "token_logprobs" else None)
+    expected = head(StepInputs(out.hidden_states[-1][:, plen:], out.logits if head.reads == "next_logits" else None,
+                               token_lp, rows.attention_mask[:, plen:].bool(), ends))
+    assert torch.equal(logits, expected)

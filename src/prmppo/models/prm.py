@@ -44,7 +44,9 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 
+from prmppo.dist.shard import as_root_forward
 from prmppo.ppo.maths import logprobs_from_logits
 from prmppo.rewards.steps import StepBoundaries, align_step_labels
 from prmppo.rollout.hf_engine import find_adapter_dir
@@ -197,18 +199,27 @@ def prm_step_logits(model, head: nn.Module, input_ids: Tensor, attention_mask: T
     """Step logits [b, T] at every response position (the caller picks the step ends).
     `step_ends` [b, T] bool is needed by heads that read a whole step (`step_logprobs`)."""
     t = input_ids.shape[1] - prompt_length
-    keep = {"hidden": 1, "next_logits": t, "token_logprobs": t + 1}[head.reads]  # LM positions kept at the end
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                output_hidden_states=True, use_cache=False, logits_to_keep=keep)
-    hidden = out.hidden_states[-1][:, prompt_length:]  # [b, T, H]: position P + t has read token t
+    if head.reads == "token_logprobs" and step_ends is None:
+        raise ValueError(f"prm head {head.kind!r} reads whole steps: prm_step_logits needs step_ends")
+    keep = {"next_logits": t, "token_logprobs": t + 1}.get(head.reads)  # LM positions kept at the end
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+
+    def run() -> tuple[Tensor, Tensor | None]:
+        # the decoder and the LM head called directly, as the policy's scoring calls them: asking the model for
+        # its hidden states would install transformers' output-capturing hooks on the modules, for good, and
+        # under LoRA they are the policy's own (its compiled layers would break their graphs at the hooks)
+        final = lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 use_cache=False).last_hidden_state  # [b, P + T, H] after the final norm
+        return final, None if keep is None else lm.get_output_embeddings()(final[:, -keep:])  # [b, keep, V]
+
+    final, lm_logits = as_root_forward(model, run) if isinstance(model, FSDPModule) else run()
+    hidden = final[:, prompt_length:]  # [b, T, H]: position P + t has read token t
     valid = attention_mask[:, prompt_length:].bool()  # [b, T]
-    logits = out.logits if head.reads == "next_logits" else None  # [b, T, V]
+    logits = lm_logits if head.reads == "next_logits" else None  # [b, T, V]
     token_logprobs = None
     if head.reads == "token_logprobs":
-        if step_ends is None:
-            raise ValueError(f"prm head {head.kind!r} reads whole steps: prm_step_logits needs step_ends")
         # position P - 1 + t predicts response token t
-        token_logprobs = logprobs_from_logits(out.logits[:, :-1], input_ids[:, prompt_length:])  # [b, T]
+        token_logprobs = logprobs_from_logits(lm_logits[:, :-1], input_ids[:, prompt_length:])  # [b, T]
     return head(StepInputs(hidden, logits, token_logprobs, valid, step_ends))
 
 
