@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
 from prmppo.dist.shard import as_root_forward
+from prmppo.models.policy import _causal_lm
 from prmppo.ppo.maths import logprobs_from_logits
 from prmppo.rewards.steps import StepBoundaries, align_step_labels
 from prmppo.rollout.hf_engine import find_adapter_dir
@@ -202,7 +203,7 @@ def prm_step_logits(model, head: nn.Module, input_ids: Tensor, attention_mask: T
     if head.reads == "token_logprobs" and step_ends is None:
         raise ValueError(f"prm head {head.kind!r} reads whole steps: prm_step_logits needs step_ends")
     keep = {"next_logits": t, "token_logprobs": t + 1}.get(head.reads)  # LM positions kept at the end
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm = _causal_lm(model)  # refused where the model's own forward would change its logits (softcapping, scaling)
 
     def run() -> tuple[Tensor, Tensor | None]:
         # the decoder and the LM head called directly, as the policy's scoring calls them: asking the model for
