@@ -163,3 +163,80 @@ def test_reference_stays_the_base_after_a_prm_loads_on_the_prm_host(tmp_path, po
     assert prm_flags and not any(prm_flags)
     after = {n: p.requires_grad for n, p in policy.model.named_parameters()}
     assert {n: after[n] for n in trainable_before} == trainable_before
+
+
+def test_compiled_layers_run_one_graph_for_micro_batches_with_and_without_padding(monkeypatch):
+    """A micro-batch whose rows all have the same length has no padding. transformers then hands the decoder
+    layers no mask at all, where a padded micro-batch gets a boolean one: for compiled layers (`ppo.compile`)
+    that is another graph, compiled mid-run when the first such micro-batch comes. The policy builds the
+    mask itself for compiled layers, so the graph a padded micro-batch compiled serves both, and the scores
+    match the uncompiled model's. A counting backend records each graph dynamo hands it."""
+    torch._dynamo.reset()
+    eager = LoraPolicy(_model(), detach_value_hidden=True, critic=True, r=4, alpha=8, target_modules=TARGETS)
+    policy = LoraPolicy(_model(), detach_value_hidden=True, critic=True, r=4, alpha=8, target_modules=TARGETS)
+    with torch.no_grad():
+        for p, q in zip(policy.policy_parameters(), eager.policy_parameters()):
+            p.add_(0.05 * torch.randn_like(p))
+            q.copy_(p)
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile",
+                        lambda module, **kwargs: compile_module(module, **{**kwargs, "backend": counting}))
+    policy.compile_decoder_layers()
+    generator = torch.Generator().manual_seed(3)
+    seen = []
+    for rows, width, pad in ((3, 12, 4), (4, 9, 0), (2, 14, 0), (3, 11, 2)):
+        ids = torch.randint(4, 24, (rows, width), generator=generator)
+        att = torch.ones_like(ids)
+        att[0, :pad] = 0  # left padding on the first row
+        pos = (att.cumsum(-1) - 1).clamp(min=0)
+        prompt = 5
+        response_ids, response_mask = ids[:, prompt:], torch.ones_like(ids[:, prompt:])
+        with torch.enable_grad():
+            got = policy.score(ids, att, pos, response_ids, response_mask, prompt, 1.0, 64)
+        want = eager.score(ids, att, pos, response_ids, response_mask, prompt, 1.0, 64)
+        assert torch.allclose(got.logprobs, want.logprobs, atol=1e-5), (rows, width, pad)
+        ref = policy.reference_score(ids, att, pos, response_ids, response_mask, prompt, 1.0, 64)
+        assert torch.allclose(ref, eager.reference_score(ids, att, pos, response_ids, response_mask, prompt, 1.0, 64),
+                              atol=1e-5), (rows, width, pad)
+        seen.append(len(graphs))
+    # the first micro-batch compiles the score's graph (grad mode) and the reference's (no grad, adapter off);
+    # the later ones, padded or not, of other rows and widths, compile nothing
+    assert seen == [2] * 4, seen
+    torch._dynamo.reset()
+
+
+def test_checkpointed_compiled_layers_run_one_graph_per_no_grad_pass():
+    """Gradient checkpointing makes the embeddings' output require grad (a grad path into the first layer
+    under LoRA's frozen embeddings). Done under no_grad too, the first compiled layer would see an input
+    unlike the later layers' and compile a graph of its own in every no-grad pass (the reference, the PRM's
+    scoring). In grad mode the first layer's input must still require grad, as the later layers' do."""
+    torch._dynamo.reset()
+    policy = LoraPolicy(_model(), detach_value_hidden=True, critic=True, r=4, alpha=8, target_modules=TARGETS)
+    policy.enable_gradient_checkpointing()
+    layers = policy.model.get_base_model().model.layers
+    graphs, inputs_grad = [], []
+    layers[0].register_forward_pre_hook(lambda module, args: inputs_grad.append(args[0].requires_grad))
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    for layer in layers:
+        layer.compile(backend=counting, dynamic=True)
+    ids, att, pos = _inputs()
+    response_ids, response_mask = ids[:, 4:], torch.ones_like(ids[:, 4:])
+    policy.reference_score(ids, att, pos, response_ids, response_mask, 4, 1.0, 64)
+    assert len(graphs) == 1, "one graph serves every layer in a no-grad pass"
+    assert inputs_grad == [False]
+    with torch.enable_grad():
+        scored = policy.score(ids, att, pos, response_ids, response_mask, 4, 1.0, 64)
+    assert len(graphs) == 2 and inputs_grad == [False, True]
+    scored.logprobs.sum().backward()
+    assert all(p.grad is not None for p in policy.policy_parameters())
+    torch._dynamo.reset()

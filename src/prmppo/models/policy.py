@@ -145,12 +145,36 @@ def _causal_lm(model: nn.Module) -> nn.Module:
     return lm
 
 
+def _inputs_require_grad_in_grad_mode(module: nn.Module, inputs, output: torch.Tensor) -> None:
+    if torch.is_grad_enabled() and not output.requires_grad:
+        output.requires_grad_(True)
+
+
+def decoder_mask(lm: nn.Module, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The attention mask to hand `lm` (a transformers causal LM) for rows with padding mask
+    `attention_mask` [b, L] (1 = token). Uncompiled layers get it as it is. Compiled decoder layers under
+    SDPA get the [b, 1, L, L] boolean mask transformers would build from it (key k visible to query q
+    when k <= q and k is a token), built here for every micro-batch: transformers passes the layers
+    None instead when no row has padding, which is a second graph that compiles whenever the first
+    micro-batch without padding arrives, mid-run, and it learns that by reading the mask on the host.
+    Where a sliding window would cut in (L above it), the mask is left to transformers."""
+    layers = getattr(lm.get_decoder(), "layers", None)
+    if not layers or getattr(layers[0], "_compiled_call_impl", None) is None:  # set by nn.Module.compile
+        return attention_mask
+    length, window = attention_mask.shape[1], getattr(lm.config, "sliding_window", None)
+    if lm.config._attn_implementation != "sdpa" or (window is not None and length > window):
+        return attention_mask
+    position = torch.arange(length, device=attention_mask.device)
+    causal = position[None, :] <= position[:, None]  # [L, L] query x key
+    return causal[None, None] & attention_mask.bool()[:, None, None, :]  # [b, 1, L, L]
+
+
 def _score(lm: nn.Module, value_head, input_ids, attention_mask, position_ids, response_ids, response_mask,
            prompt_length: int, temperature: float, chunk_tokens: int, with_entropy: bool,
            entropy_grad: bool = True) -> TokenScores:
     """One pass of the decoder, then the LM head on the response positions a chunk at a time."""
-    hidden = lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              use_cache=False).last_hidden_state  # [b, P + T, H] after the final norm
+    hidden = lm.get_decoder()(input_ids=input_ids, attention_mask=decoder_mask(lm, attention_mask),
+                              position_ids=position_ids, use_cache=False).last_hidden_state  # [b, P + T, H] normed
     width = response_ids.shape[1]
     # the hidden state that predicts response token t sits at position P - 1 + t
     logprobs, entropy = token_scores(lm.get_output_embeddings(), hidden[:, prompt_length - 1:prompt_length - 1 + width],
@@ -168,6 +192,7 @@ class _PolicyBase:
     model: nn.Module
     value_head: "ValueHead | None"  # None when the advantage estimator uses no critic (critic=False)
     _checkpointed_layers: tuple[nn.Module, ...] = ()  # set by enable_gradient_checkpointing
+    _input_grad_hook = None  # see _first_layer_input_like_the_others
     # `score` calls the decoder and the LM head itself, not the root model's forward; an FSDP2-sharded
     # policy replaces this with `dist.shard.as_root_forward`, which runs the pass as the root's forward
     scoring_call = staticmethod(call_directly)
@@ -191,7 +216,11 @@ class _PolicyBase:
             lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        lm.enable_input_require_grads()  # frozen embeddings under LoRA: the recompute still needs a grad path
+        # transformers marks the embeddings' output as requiring grad, for the reentrant checkpointing this
+        # does not use, and does so under no_grad too: a compiled first layer would see an input unlike the
+        # later layers' in every no-grad pass (a graph of its own)
+        lm.disable_input_require_grads()
+        self._first_layer_input_like_the_others()
         self._checkpointed_layers = tuple(m for m in lm.modules() if getattr(m, "gradient_checkpointing", False))
         if not self._checkpointed_layers:
             raise ValueError(f"ppo.gradient_checkpointing: {type(lm).__name__} has no layer transformers can "
@@ -206,13 +235,21 @@ class _PolicyBase:
         if not isinstance(layers, nn.ModuleList) or not len(layers):
             raise ValueError(f"ppo.compile: {type(_causal_lm(self.model)).__name__}'s decoder has no `layers` list "
                              f"to compile (Llama, Mistral and Qwen2 have one); set ppo.compile=false")
+        self._first_layer_input_like_the_others()
         for layer in layers:
             layer.compile(dynamic=True)
 
+    def _first_layer_input_like_the_others(self) -> None:
+        """In grad mode, the embeddings' output requires grad, as every later layer's input does (under LoRA
+        the embeddings are frozen): one graph of a compiled layer then serves all the layers."""
+        if self._input_grad_hook is None:
+            self._input_grad_hook = _causal_lm(self.model).get_input_embeddings().register_forward_hook(
+                _inputs_require_grad_in_grad_mode)
+
     def forward(self, input_ids, attention_mask, position_ids) -> tuple[torch.Tensor, torch.Tensor]:
         """Policy logits [B, L, V] and values [B, L]."""
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         output_hidden_states=True, use_cache=False)
+        out = self.model(input_ids=input_ids, attention_mask=decoder_mask(_causal_lm(self.model), attention_mask),
+                         position_ids=position_ids, output_hidden_states=True, use_cache=False)
         values = None if self.value_head is None else self.value_head(out.hidden_states[-1])
         return out.logits, values
 
@@ -293,8 +330,8 @@ class LoraPolicy(_PolicyBase):
     @torch.no_grad()
     def reference_logits(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
         with self.model.disable_adapter():
-            return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              use_cache=False).logits
+            return self.model(input_ids=input_ids, attention_mask=decoder_mask(_causal_lm(self.model), attention_mask),
+                              position_ids=position_ids, use_cache=False).logits
 
     @torch.no_grad()
     def reference_score(self, input_ids, attention_mask, position_ids, response_ids, response_mask,
@@ -367,8 +404,9 @@ class FullPolicy(_PolicyBase):
         # the PRM's LoRA layers sit inside the copy and are on (its active adapter) between scorings;
         # left on, they would make the KL reference base + PRM adapter instead of the SFT base
         with adapters_off(self.reference):
-            return self.reference(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                  use_cache=False).logits
+            return self.reference(input_ids=input_ids,
+                                  attention_mask=decoder_mask(_causal_lm(self.reference), attention_mask),
+                                  position_ids=position_ids, use_cache=False).logits
 
     @torch.no_grad()
     def reference_score(self, input_ids, attention_mask, position_ids, response_ids, response_mask,

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
 from prmppo.dist.shard import as_root_forward
-from prmppo.models.policy import _causal_lm
+from prmppo.models.policy import _causal_lm, decoder_mask
 from prmppo.ppo.maths import logprobs_from_logits
 from prmppo.rewards.steps import StepBoundaries, align_step_labels
 from prmppo.rollout.hf_engine import find_adapter_dir
@@ -209,8 +209,8 @@ def prm_step_logits(model, head: nn.Module, input_ids: Tensor, attention_mask: T
         # the decoder and the LM head called directly, as the policy's scoring calls them: asking the model for
         # its hidden states would install transformers' output-capturing hooks on the modules, for good, and
         # under LoRA they are the policy's own (its compiled layers would break their graphs at the hooks)
-        final = lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                 use_cache=False).last_hidden_state  # [b, P + T, H] after the final norm
+        final = lm.get_decoder()(input_ids=input_ids, attention_mask=decoder_mask(lm, attention_mask),
+                                 position_ids=position_ids, use_cache=False).last_hidden_state  # [b, P + T, H] normed
         return final, None if keep is None else lm.get_output_embeddings()(final[:, -keep:])  # [b, keep, V]
 
     final, lm_logits = as_root_forward(model, run) if isinstance(model, FSDPModule) else run()
