@@ -79,7 +79,9 @@ def differences(one: list[dict], two: list[dict]) -> list[str]:
     ["arm=prm", "reward=prm_oracle", "lora=adapter"],
     ["arm=prm", "reward=prm_oracle", "lora=none"],
     ["arm=orm", "lora=adapter", "rollout.sync=shared"],  # rank 0's gathered CPU copy through the shared buffer
-], ids=["orm-adapter", "orm-none-gae", "prm-adapter", "prm-none", "orm-adapter-shared"])
+    # compiled, checkpointed decoder layers inside FSDP2's units, against the same compiled layers on one process
+    ["arm=prm", "reward=prm_oracle", "lora=adapter", "ppo.compile=true", "ppo.gradient_checkpointing=true"],
+], ids=["orm-adapter", "orm-none-gae", "prm-adapter", "prm-none", "orm-adapter-shared", "prm-adapter-compiled"])
 def test_two_ranks_equal_one_process(artifacts, tmp_path, case):
     overrides = [*MOVING, f"artifacts_dir={artifacts}", *case]
     run(compose_config(overrides, run_dir=tmp_path / "one"))
