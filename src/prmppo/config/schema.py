@@ -264,7 +264,10 @@ class PPOConfig:
     # torch.compile each decoder layer of the policy in place (inductor fuses its norms, activations and
     # LoRA branches; embeddings, LM-head chunks and losses stay eager), with dynamic shapes. The first
     # forwards pay the compilation; meant for CUDA. The old logprobs then run through the update's own
-    # (grad-mode) graph, so the first minibatch's ratio stays 1 (ppo/first_minibatch_ratio_dev)
+    # (grad-mode) graph, so the first minibatch's ratio stays 1 (ppo/first_minibatch_ratio_dev). One graph
+    # per pass kind (policy, reference, PRM scoring), compiled in the start-up gate or the first iteration;
+    # a micro-batch of one row compiles its own once. Works under topology=fsdp too.
+    # `python benchmarks/compile_trace.py <overrides>` lists the graphs a run compiles
     compile: bool = False
     ppo_epochs: int = 1
     # tokens
