@@ -151,13 +151,14 @@ def _inputs_require_grad_in_grad_mode(module: nn.Module, inputs, output: torch.T
 
 
 def decoder_mask(lm: nn.Module, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The attention mask to hand `lm` (a transformers causal LM) for rows with padding mask
+    """The attention mask to hand `lm` (a transformers causal LM, or a peft model on one) for rows with padding mask
     `attention_mask` [b, L] (1 = token). Uncompiled layers get it as it is. Compiled decoder layers under
     SDPA get the [b, 1, L, L] boolean mask transformers would build from it (key k visible to query q
     when k <= q and k is a token), built here for every micro-batch: transformers passes the layers
     None instead when no row has padding, which is a second graph that compiles whenever the first
     micro-batch without padding arrives, mid-run, and it learns that by reading the mask on the host.
     Where a sliding window would cut in (L above it), the mask is left to transformers."""
+    lm = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
     layers = getattr(lm.get_decoder(), "layers", None)
     if not layers or getattr(layers[0], "_compiled_call_impl", None) is None:  # set by nn.Module.compile
         return attention_mask
@@ -248,7 +249,7 @@ class _PolicyBase:
 
     def forward(self, input_ids, attention_mask, position_ids) -> tuple[torch.Tensor, torch.Tensor]:
         """Policy logits [B, L, V] and values [B, L]."""
-        out = self.model(input_ids=input_ids, attention_mask=decoder_mask(_causal_lm(self.model), attention_mask),
+        out = self.model(input_ids=input_ids, attention_mask=decoder_mask(self.model, attention_mask),
                          position_ids=position_ids, output_hidden_states=True, use_cache=False)
         values = None if self.value_head is None else self.value_head(out.hidden_states[-1])
         return out.logits, values
@@ -330,7 +331,7 @@ class LoraPolicy(_PolicyBase):
     @torch.no_grad()
     def reference_logits(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
         with self.model.disable_adapter():
-            return self.model(input_ids=input_ids, attention_mask=decoder_mask(_causal_lm(self.model), attention_mask),
+            return self.model(input_ids=input_ids, attention_mask=decoder_mask(self.model, attention_mask),
                               position_ids=position_ids, use_cache=False).logits
 
     @torch.no_grad()
@@ -405,7 +406,7 @@ class FullPolicy(_PolicyBase):
         # left on, they would make the KL reference base + PRM adapter instead of the SFT base
         with adapters_off(self.reference):
             return self.reference(input_ids=input_ids,
-                                  attention_mask=decoder_mask(_causal_lm(self.reference), attention_mask),
+                                  attention_mask=decoder_mask(self.reference, attention_mask),
                                   position_ids=position_ids, use_cache=False).logits
 
     @torch.no_grad()
