@@ -147,3 +147,14 @@ def save_perturbed_prm(model, prm_dir: Path, head, targets: list[str]):
                 p.add_(0.3 * torch.randn(p.shape, generator=generator))
     save_prm(prm_dir, peft_model, head)
     return peft_model
+
+
+class GraphCounter:
+    """A torch.compile backend that records each graph dynamo hands it (`graphs`) and runs it as traced."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward

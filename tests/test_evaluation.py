@@ -14,6 +14,7 @@ from math import comb
 import pytest
 import torch
 
+from conftest import GraphCounter
 from prmppo.evaluation import pass_at_k, score
 from prmppo.models.tiny import build_char_tokenizer
 from prmppo.tasks import ArithTask
@@ -139,12 +140,8 @@ def test_generation_runs_compiled_decoder_layers_eagerly(task):
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
                                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id))
-    graphs = []
-
-    def counting(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
+    counting = GraphCounter()
+    graphs = counting.graphs
     for layer in model.model.layers:
         layer.compile(backend=counting, dynamic=True)
     result = score(model, tokenizer, task, task.problems("test")[:3], k=2, temperature=1.0, max_new_tokens=6,

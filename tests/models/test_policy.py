@@ -9,7 +9,7 @@ from transformers import MistralConfig, MistralForCausalLM
 
 from prmppo.models.loading import load_model
 from prmppo.models.policy import FullPolicy, LoraPolicy
-from conftest import save_perturbed_prm
+from conftest import GraphCounter, save_perturbed_prm
 from prmppo.models.prm import PRM_ADAPTER, adapter_active, load_prm, make_head
 from prmppo.models.tiny import build_char_tokenizer
 
@@ -178,12 +178,8 @@ def test_compiled_layers_run_one_graph_for_micro_batches_with_and_without_paddin
         for p, q in zip(policy.policy_parameters(), eager.policy_parameters()):
             p.add_(0.05 * torch.randn_like(p))
             q.copy_(p)
-    graphs = []
-
-    def counting(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
+    counting = GraphCounter()
+    graphs = counting.graphs
     compile_module = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile",
                         lambda module, **kwargs: compile_module(module, **{**kwargs, "backend": counting}))
@@ -220,13 +216,9 @@ def test_checkpointed_compiled_layers_run_one_graph_per_no_grad_pass():
     policy = LoraPolicy(_model(), detach_value_hidden=True, critic=True, r=4, alpha=8, target_modules=TARGETS)
     policy.enable_gradient_checkpointing()
     layers = policy.model.get_base_model().model.layers
-    graphs, inputs_grad = [], []
+    counting, inputs_grad = GraphCounter(), []
+    graphs = counting.graphs
     layers[0].register_forward_pre_hook(lambda module, args: inputs_grad.append(args[0].requires_grad))
-
-    def counting(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
     for layer in layers:
         layer.compile(backend=counting, dynamic=True)
     ids, att, pos = _inputs()
