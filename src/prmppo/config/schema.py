@@ -292,8 +292,14 @@ class PPOConfig:
     # step with step against the prompt's other samples, ppo/maths.py group_baseline_advantages).
     # rloo: exact per-prompt baseline for both arms; for an outcome-only reward it is plain RLOO
     advantage_estimator: str = "rloo"
-    # gae: centre and scale the batch's advantages; rloo/grpo: scale only (they are centred per prompt)
+    # gae: centre and scale the batch's task advantages; rloo/grpo: scale only (they are centred per
+    # prompt). The KL pull (kl_coef) is added after, unscaled, so its weight is the same in every arm
+    # (ppo/advantages.py; logged as kl/effective_coef)
     whiten_advantages: bool = True
+    # grpo only: the group std is at least this (reward units, >= 0), so step scores that differ by
+    # numerical jitter between identical samples do not become full-size advantages. A group of 0/1
+    # outcomes with one right and one wrong sample has std >= 1/sqrt(n) (0.5 at n=4), untouched by 0.1
+    group_std_floor: float = 0.1
     # DAPO's dynamic filtering, without the resampling: a prompt whose samples the verifier scores all
     # right or all wrong is dropped from the update (its rows masked out of every loss and its
     # denominators; counted as ppo/dropped_groups). Reads the outcome, not the reward, so both arms
@@ -310,7 +316,9 @@ class PPOConfig:
     entropy_coef: float = 0.0
     # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
     loss_agg: str = "token_mean"
-    # KL to the reference in the reward: -kl_coef * kl_estimator per token (0 turns it off)
+    # KL to the reference in the reward: -kl_coef * kl_estimator per token (0 turns it off). Its
+    # return-to-go joins the advantages after the task advantages are normalised, so kl_coef is the
+    # effective weight in both arms (ppo/advantages.py)
     kl_coef: float = 0.01
     # k1 | k2 | k3
     kl_estimator: str = "k1"

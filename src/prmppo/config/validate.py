@@ -97,6 +97,8 @@ def _check_ppo(problems: list[str], ppo: DictConfig) -> None:
                         "(or ppo.kl_coef for a k1 KL in the reward)")
     _choice(problems, "ppo.loss_agg", ppo.loss_agg, LOSS_AGGS)
     _choice(problems, "ppo.advantage_estimator", ppo.advantage_estimator, ADVANTAGE_ESTIMATORS)
+    if not ppo.group_std_floor >= 0:
+        problems.append(f"ppo.group_std_floor={ppo.group_std_floor} must be >= 0 (reward units; 0 turns it off)")
     if ppo.advantage_estimator != "gae" and ppo.n_samples_per_prompt < 2:
         problems.append(f"ppo.advantage_estimator={ppo.advantage_estimator} needs ppo.n_samples_per_prompt >= 2 "
                         f"(the baseline comes from the prompt's other samples), got {ppo.n_samples_per_prompt}")

@@ -8,10 +8,11 @@ One iteration (`PPOTrainer.iteration`) reads like the algorithm:
   3. assemble policy / reference logprobs and values with no grad, in the micro-batches the update's
               first epoch will run (`plan`: the same rows, widths and logit chunks, so the first
               minibatch's ratio is exactly 1 in any dtype); the in-reward KL;
-  4. advantages: GAE with decoupled lambdas (lam_actor for advantages, lam_critic for targets;
-              rows cut at max_new_tokens bootstrap from the value at the cut), or a group
-              baseline (rloo / grpo) that compares each reward term step with step against the
-              prompt's other samples; the in-reward KL stays out of the group statistics; with
+  4. advantages: the task advantages from the reward terms alone, GAE with decoupled lambdas (lam_actor
+              for advantages, lam_critic for targets; rows cut at max_new_tokens bootstrap from the value
+              at the cut), or a group baseline (rloo / grpo) that compares each reward term step with step
+              against the prompt's other samples; normalised; then the KL pull added at kl_coef, unscaled,
+              so both arms are held to the reference alike (ppo/advantages.py); with
               `drop_uniform_groups`, the rows of a prompt whose samples the verifier scored all
               right or all wrong are masked out of the update (every loss and its denominators);
   5. update   ppo_epochs over minibatches of micro-batches (rows of similar length, each cut to its
@@ -51,6 +52,7 @@ from prmppo.dist.ranks import OneProcess
 from prmppo.errors import PrmppoError
 from prmppo.guards.tripwires import SkipBudget
 from prmppo.logger.console import progress
+from prmppo.ppo import advantages as advantages_rule
 from prmppo.ppo import maths
 from prmppo.ppo.batch import (Minibatch, RolloutBatch, TrainBatch, UpdatePlan, collate, length_buckets, pad_floats,
                               plan_update, trim_columns)
@@ -290,32 +292,32 @@ class PPOTrainer:
         old_lp, ref_lp, values, after = self._old_and_reference(batch, plan, keep)
         mask = batch.response_mask.to(dev)
         kl = kl_estimate(old_lp, ref_lp, ppo.kl_estimator) * mask  # [B, T]
-        kl_rewards = -ppo.kl_coef * kl  # [B, T] the in-reward KL, its own term
-        total = rewards.total.to(dev) + kl_rewards  # [B, T]
         metrics.update({"ppo/kl_ref": float(maths.masked_sum(kl, mask) / mask.shape[0]),
                         "rollout/engine_logprob_abs_diff":
                             float(maths.masked_mean((batch.engine_logprobs.to(dev) - old_lp).abs(), mask))})
+        update_mask = mask * keep[:, None]  # [B, T] the update's mask: dropped rows carry nothing
+        settings = dict(estimator=ppo.advantage_estimator, group_size=ppo.n_samples_per_prompt, gamma=ppo.gamma,
+                        whiten=ppo.whiten_advantages, group_std_floor=ppo.group_std_floor,
+                        lam_actor=ppo.lam_actor, lam_critic=ppo.lam_critic)
         if self.uses_critic:
             values = values * mask  # [B, T]
             truncated = torch.tensor([r == "length" for r in batch.finish_reasons], device=dev)  # [B]
-            bootstrap = torch.where(truncated, after, torch.zeros_like(after))  # [B]
-            advantages, returns = maths.decoupled_gae(total, values, mask, ppo.gamma, ppo.lam_actor, ppo.lam_critic,
-                                                      bootstrap)
-            metrics.update({"value/mean": float(maths.masked_mean(values, mask)),
-                            "value/explained_variance": maths.explained_variance(values, returns, mask)})
-            self.policy.value_head.update_return_stats(returns, mask)  # predictions unchanged (PopArt)
+            settings.update(values=values, bootstrap=torch.where(truncated, after, torch.zeros_like(after)))
+        terms = [(term.values.to(dev), term.events.to(dev)) for term in rewards.terms.values()]
+        # 4. task advantages normalised, then the KL pull at kl_coef (ppo/advantages.py: the same in every arm)
+        out = advantages_rule.compute(terms, kl, mask, update_mask, kl_coef=ppo.kl_coef, **settings)
+        without_kl = advantages_rule.compute(terms, kl, mask, update_mask, kl_coef=0.0, **settings)
+        advantages, returns, mask = out.advantages, out.returns, update_mask
+        metrics.update({"kl/effective_coef": advantages_rule.effective_kl_coef(advantages, without_kl.advantages, kl,
+                                                                               mask, ppo.gamma),
+                        "adv/task_scale": out.task_scale})
+        if self.uses_critic:
+            metrics.update({"value/mean": float(maths.masked_mean(values, batch.response_mask.to(dev))),
+                            "value/explained_variance": maths.explained_variance(values, returns,
+                                                                                 batch.response_mask.to(dev))})
+            self.policy.value_head.update_return_stats(returns, batch.response_mask.to(dev))  # PopArt
         else:
             values = returns = torch.zeros_like(mask)
-            terms = [(term.values.to(dev), term.events.to(dev)) for term in rewards.terms.values()]
-            advantages = maths.group_baseline_advantages(terms, mask, ppo.n_samples_per_prompt, ppo.gamma,
-                                                         ppo.advantage_estimator)
-            advantages = advantages + maths.returns_to_go(kl_rewards, mask, ppo.gamma)  # KL outside the groups
-        mask = mask * keep[:, None]  # [B, T] from here on the update's mask: dropped rows carry nothing
-        if ppo.whiten_advantages:
-            # GAE: centre and scale; a group baseline has centred each prompt already, so only scale
-            # (a shift would push every sample of an all-solved prompt the same way)
-            advantages = (maths.masked_whiten(advantages, mask) if self.uses_critic
-                          else maths.masked_rescale(advantages, mask))
         metrics.update(advantage_by_quarter(advantages, mask, batch.outcome.to(dev)))
         train = TrainBatch(batch.input_ids.to(dev), batch.attention_mask.to(dev), batch.position_ids.to(dev),
                            batch.response_ids.to(dev), mask, old_lp, ref_lp, values, advantages, returns,

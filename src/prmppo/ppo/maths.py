@@ -169,7 +169,8 @@ def returns_to_go(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
 GROUP_ESTIMATORS = ("rloo", "grpo")
 
 
-def group_baseline_advantages(terms, mask: Tensor, group_size: int, gamma: float, mode: str) -> Tensor:
+def group_baseline_advantages(terms, mask: Tensor, group_size: int, gamma: float, mode: str,
+                              std_floor: float = 0.0) -> Tensor:
     """Critic-free advantages from the other samples of the same prompt; [B, T], 0 on padding.
 
     `terms` is a sequence of reward terms `(values [B, T], events [B, T] bool)`: the reward each
@@ -182,29 +183,41 @@ def group_baseline_advantages(terms, mask: Tensor, group_size: int, gamma: float
       rloo  r~_ik = r_ik - mean_{j != i} mean_k r_jk
             (per-step leave-one-out, PRIME: Cui et al. 2025, "Process Reinforcement through
             Implicit Rewards"; with one event per row, the outcome, it is RLOO, Ahmadian et al. 2024)
-      grpo  r~_ik = (r_ik - mean(R)) / (std(R) + 1e-6), R = every event reward of the group
-            (process supervision in DeepSeekMath's GRPO, Shao et al. 2024, section 4.1.3; with one
-            event per row it is outcome GRPO)
+      grpo  r~_ik = (r_ik - mean(R)) / max(std(R) + 1e-6, std_floor), R = every event reward of
+            the group (process supervision in DeepSeekMath's GRPO, Shao et al. 2024, section 4.1.3;
+            with one event per row and no floor it is outcome GRPO)
 
-    A_t = sum over the term's events s >= t of gamma^(s - t) r~_s, summed over terms. Samples
-    that all score the same get zero advantage at every token, whatever their step rewards.
+    A_t = sum over the term's events s >= t of gamma^(s - t) r~_s, summed over terms.
+
+    A group of identical samples (the same rewards at the same events) gets a zero total per row,
+    and zero at every token only when each row's step rewards are flat: otherwise rloo leaves each
+    step's deviation from the row's mean on the tokens between steps (grpo its deviation from the
+    group's mean). `std_floor` (reward units, >= 0) keeps grpo from dividing tiny differences by a
+    tiny std: step scores that differ by numerical jitter between identical samples would otherwise
+    become advantages as large as a real contrast. A group of 0/1 outcomes with at least one right
+    and one wrong sample has std >= 1/sqrt(n) (n samples), so a floor below that never changes it.
     """
     if mode not in GROUP_ESTIMATORS:
         raise ValueError(f"mode={mode!r}: valid modes are {', '.join(map(repr, GROUP_ESTIMATORS))}")
     if group_size < 2:
         raise ValueError(f"group_size={group_size}: a group baseline needs at least 2 samples per prompt")
+    if not std_floor >= 0.0:
+        raise ValueError(f"std_floor={std_floor!r} is invalid; it must be >= 0")
     if mask.shape[0] % group_size:
         raise ValueError(f"{mask.shape[0]} rows are not a whole number of groups of {group_size}")
     advantages = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)  # [B, T]
     for values, events in terms:
         _check_same_shape(values=values, events=events, mask=mask)
         values = values if values.is_floating_point() else values.float()
-        centred = _group_centred(values, events.bool() & mask.bool(), group_size, mode)  # [B, T]
+        # group statistics in float64: identical samples then centre to exactly 0 (in float32 the mean of
+        # equal scores can differ from them by an ulp, which a later normalisation would magnify)
+        centred = _group_centred(values.double(), events.bool() & mask.bool(), group_size, mode, std_floor)
+        centred = centred.to(values.dtype)  # [B, T]
         advantages = advantages.to(centred.dtype) + returns_to_go(centred, mask, gamma)
     return advantages * mask.to(advantages.dtype)
 
 
-def _group_centred(values: Tensor, events: Tensor, group_size: int, mode: str) -> Tensor:
+def _group_centred(values: Tensor, events: Tensor, group_size: int, mode: str, std_floor: float = 0.0) -> Tensor:
     """Each event reward minus its group baseline (and over the group std for grpo); 0 off events."""
     ev = events.to(values.dtype)  # [B, T]
     grouped = lambda x: x.reshape(-1, group_size, *x.shape[1:])  # noqa: E731  [G, n, ...]
@@ -223,7 +236,7 @@ def _group_centred(values: Tensor, events: Tensor, group_size: int, mode: str) -
         dev = (values - mean.repeat_interleave(group_size)[:, None]) * ev  # [B, T]
         var = grouped(dev.square().sum(-1)).sum(-1) / (n - 1).clamp(min=1)  # [G] unbiased, as torch.std
         std = var.sqrt().repeat_interleave(group_size)[:, None]  # [B, 1]
-        centred = dev / (std + 1e-6)
+        centred = dev / (std + 1e-6).clamp(min=std_floor)
     return torch.where(events, centred, torch.zeros_like(centred))
 
 

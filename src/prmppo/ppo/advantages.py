@@ -1,0 +1,96 @@
+"""Step 4 of the PPO iteration: per-token advantages from the reward terms and the KL to the reference.
+
+The rule, the same for every arm and every estimator:
+
+    A = normalise(task advantages) + KL pull
+
+- **task advantages** come from the reward terms alone (outcome, steps): decoupled-lambda GAE
+  with the critic (the critic learns the task return; rows cut at the length limit bootstrap from
+  the value there), or a group baseline (`rloo`/`grpo`, `maths.group_baseline_advantages`);
+- **normalise** (`whiten_advantages`): GAE's are centred and scaled over the update's tokens, a
+  group baseline's only scaled (each prompt is centred already; a shift would push every sample
+  of an all-solved prompt the same way); the std divided by is at least `MIN_TASK_STD`;
+- **KL pull**: the return-to-go of the in-reward KL, `-kl_coef * kl_t` per token, added *after*
+  the normalisation, so its weight is `kl_coef` whatever the arm's reward scale. Dividing it by
+  the arm's own advantage std (as a whitening of the sum would) makes the arms differ in how hard
+  they are pulled to the reference, not only in their reward: on one real batch the ORM arm's
+  advantage std scaled the KL by 2.09 and the PRM arm's by 1.30.
+
+So a batch whose every group is uniform (all samples scored alike) has zero task advantage and
+moves the policy by the configured KL pull alone, identically in both arms. The KL stays out of
+the group baselines and out of grpo's group statistics: it is a per-token cost of the sampled
+tokens, known exactly, which needs no baseline.
+
+`effective_kl_coef` measures the weight the KL actually got from two calls of `compute` (with and
+without the KL), so the logged `kl/effective_coef` is a measurement, not the configured value.
+
+Tests: `pytest tests/ppo/test_advantages.py -q`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from prmppo.ppo import maths
+
+
+# the normalisation divides by at least this std (advantage units): a batch whose task advantages are
+# all noise-sized (every group uniform, identical samples' PRM scores differing by numerical jitter)
+# is magnified at most 100x instead of to unit size. A real contrast is far above it: one non-uniform
+# group of 0/1 outcomes among 64 groups of 4 already gives a token std of about 0.09.
+MIN_TASK_STD = 1e-2
+
+
+class Advantages(NamedTuple):
+    advantages: Tensor  # [B, T] what the policy loss reads; 0 on padding
+    returns: Tensor  # [B, T] the critic's targets (task return; zeros without a critic)
+    task_scale: float  # the factor the normalisation applied to the task advantages (1.0 when off)
+
+
+def compute(terms: list[tuple[Tensor, Tensor]], kl: Tensor, mask: Tensor, update_mask: Tensor, *,
+            estimator: str, group_size: int, gamma: float, kl_coef: float, whiten: bool,
+            group_std_floor: float = 0.0, lam_actor: float = 1.0, lam_critic: float = 1.0,
+            values: Tensor | None = None, bootstrap: Tensor | None = None) -> Advantages:
+    """The advantages of one batch under the rule in the module docstring.
+
+    `terms`: the reward terms as (values [B, T], events [B, T] bool); `kl` [B, T] the per-token KL
+    estimate; `mask` [B, T] the response tokens; `update_mask` [B, T] the tokens the update learns
+    from (the normalisation's statistics are taken over these). `values` [B, T] and `bootstrap` [B]
+    (the value after a truncated row's last token, 0 for rows that ended) are the critic's, used when
+    `estimator` is `gae`.
+    """
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+    if estimator == "gae":
+        if values is None:
+            raise ValueError("estimator 'gae' needs the critic's values")
+        task_rewards = sum((v.to(values.dtype) for v, _ in terms), torch.zeros_like(values))  # [B, T]
+        task, returns = maths.decoupled_gae(task_rewards, values, mask, gamma, lam_actor, lam_critic, bootstrap)
+    else:
+        task = maths.group_baseline_advantages(terms, mask, group_size, gamma, estimator, group_std_floor)
+        returns = torch.zeros_like(task)
+    scale = 1.0
+    if whiten:
+        # scale-only for a group baseline (centred per prompt already); GAE is centred and scaled
+        std = maths.masked_var(task, update_mask).sqrt().clamp(min=MIN_TASK_STD)
+        scale = float(1.0 / std)
+        if estimator == "gae":
+            task = task - maths.masked_mean(task, update_mask)
+        task = task / std
+    kl_pull = maths.returns_to_go(torch.where(mask.bool(), -kl_coef * kl, zero), mask, gamma)  # [B, T]
+    advantages = torch.where(update_mask.bool(), task + kl_pull, zero)
+    return Advantages(advantages, returns, scale)
+
+
+def effective_kl_coef(with_kl: Tensor, without_kl: Tensor, kl: Tensor, mask: Tensor, gamma: float) -> float:
+    """The weight c the KL got in the advantages: the least-squares fit of
+    with_kl - without_kl = -c * G over `mask`'s tokens, G [B, T] the return-to-go of the per-token KL
+    `kl`. Under the rule of this module it is `kl_coef` in every arm; a rule that normalised the KL
+    together with the task advantages gives about kl_coef / std(task advantages). nan when G is 0."""
+    pull = maths.returns_to_go(torch.where(mask.bool(), kl, torch.zeros_like(kl)), mask, gamma)  # [B, T]
+    norm = maths.masked_sum(pull * pull, mask)
+    if float(norm) == 0.0:
+        return float("nan")
+    return float(-maths.masked_sum((with_kl - without_kl) * pull, mask) / norm)
