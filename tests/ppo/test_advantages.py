@@ -257,3 +257,36 @@ def test_normalisation_does_not_magnify_jitter_of_an_all_uniform_batch_to_unit_s
     out = _compute(terms, _kl(), "rloo", kl_coef=0.0)
     assert 0 < out.advantages.abs().max() < 0.05
     assert out.task_scale == pytest.approx(1 / rule.MIN_TASK_STD)
+
+
+def test_identical_group_share_counts_token_identical_groups_and_their_mass():
+    ids = torch.tensor([[5, 6, 7, 0], [5, 6, 7, 0], [5, 6, 7, 0], [5, 6, 7, 0],   # group 0: identical
+                        [5, 6, 7, 0], [5, 6, 8, 0], [5, 6, 7, 0], [5, 6, 7, 0]])  # group 1: one differs
+    mask = torch.tensor([[1, 1, 1, 0]] * 8, dtype=torch.float32)
+    adv = torch.zeros(8, 4)
+    adv[0, :3] = 0.1  # 0.3 of mass in the identical group
+    adv[5, :3] = -0.9  # 2.7 in the other
+    adv[1, 3] = 50.0  # padding carries nothing
+    share = rule.identical_group_share(adv, ids, mask, 4)
+    assert share == {"adv/identical_group_fraction": 0.5, "adv/identical_group_mass": pytest.approx(0.1)}
+    # a padding token that differs does not make samples different; a longer response does
+    ids[1, 3] = 9
+    assert rule.identical_groups(ids, mask, 4).tolist() == [True, False]
+    mask[2, 3] = 1
+    assert rule.identical_groups(ids, mask, 4).tolist() == [False, False]
+
+
+def test_the_first_gae_update_clips_its_value_loss_around_what_the_head_predicts():
+    # the head starts at zero; the first batch sets its return statistics, so it now predicts the mean
+    # return. Old values kept at the initial 0 put the clip range around 0, far from every prediction
+    # of the first minibatch, and clipped most of the first value loss.
+    trainer = _trainer(_ppo("ppo.advantage_estimator=gae", "ppo.kl_coef=0", "ppo.value_clip=0.2"))
+    batch = _rollout([1., 0., 0., 1., 1., 1., 0., 1.])
+    rewards = RewardTerms({"outcome": RewardTerm(3.0 * batch.outcome[:, None] * batch.response_mask,
+                                                 batch.response_mask.bool())})  # returns well away from 0
+    train, _ = trainer.assemble(batch, rewards, trainer.plan(batch, 0))
+    head = trainer.policy.value_head
+    assert float(head.return_mean) > 1.0
+    assert torch.allclose(train.old_values, head.return_mean * train.response_mask.bool(), atol=1e-5)
+    metrics = trainer.update(train, iteration=0)
+    assert metrics["value/clip_fraction"] == 0.0

@@ -100,11 +100,17 @@ class ValueHead(nn.Module):
         return (values - self.return_mean) / self.return_std
 
     @torch.no_grad()
-    def update_return_stats(self, returns: torch.Tensor, mask: torch.Tensor) -> None:
-        """Fold a batch's returns (masked tokens) into the running statistics; predictions are unchanged."""
+    def update_return_stats(self, returns: torch.Tensor, mask: torch.Tensor,
+                            values: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Fold a batch's returns (masked tokens) into the running statistics; predictions are unchanged,
+        except at the first batch, which moves a head still at zero from predicting 0 to the mean return.
+        `values` [B, T] (the head's predictions before this call, the update's old values) come back as
+        the head predicts them now, so the value clip of the first update is taken around what the head
+        predicts, not around the initial statistics' 0 (which clipped most of the first value loss)."""
         keep = mask.bool()
         if not keep.any():
-            return
+            return values
+        before = None if values is None else self.normalise(values)
         batch = returns[keep].float()
         first = int(self.stats_updates) == 0
         decay = 0.0 if first else self.stats_decay  # the first batch sets the statistics outright
@@ -112,11 +118,12 @@ class ValueHead(nn.Module):
         self.return_mean.mul_(decay).add_((1 - decay) * batch.mean())
         self.return_second_moment.mul_(decay).add_((1 - decay) * batch.square().mean())
         self.stats_updates.add_(1)
-        if first:  # nothing learned yet: a head still at zero now predicts the mean return
-            return
+        if first:  # nothing learned yet: the head's output z is kept, so it now reads as the batch's statistics
+            return None if values is None else torch.where(keep, self.return_mean + self.return_std * before, values)
         new_std = self.return_std
         self.linear.weight.mul_(old_std / new_std)
         self.linear.bias.copy_((old_std * self.linear.bias + old_mean - self.return_mean) / new_std)
+        return values
 
 
 def _value_head(base_model: nn.Module, detach_hidden: bool, critic: bool) -> "ValueHead | None":

@@ -315,10 +315,13 @@ class PPOTrainer:
             metrics.update({"value/mean": float(maths.masked_mean(values, batch.response_mask.to(dev))),
                             "value/explained_variance": maths.explained_variance(values, returns,
                                                                                  batch.response_mask.to(dev))})
-            self.policy.value_head.update_return_stats(returns, batch.response_mask.to(dev))  # PopArt
+            # PopArt; the old values as the head predicts them after the statistics move
+            values = self.policy.value_head.update_return_stats(returns, batch.response_mask.to(dev), values)
         else:
             values = returns = torch.zeros_like(mask)
         metrics.update(advantage_by_quarter(advantages, mask, batch.outcome.to(dev)))
+        metrics.update(advantages_rule.identical_group_share(advantages - out.kl_pull, batch.response_ids.to(dev), mask,
+                                                             ppo.n_samples_per_prompt))
         train = TrainBatch(batch.input_ids.to(dev), batch.attention_mask.to(dev), batch.position_ids.to(dev),
                            batch.response_ids.to(dev), mask, old_lp, ref_lp, values, advantages, returns,
                            batch.prompt_length)
