@@ -11,18 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omegaconf import OmegaConf
-from transformers import MistralConfig, MistralForCausalLM
 
-from conftest import compose_config
-from prmppo.models.policy import LoraPolicy
 from prmppo.ppo import advantages as rule
 from prmppo.ppo import maths
-from prmppo.ppo.batch import RolloutBatch, collate
 from prmppo.ppo.loop import PPOTrainer
 from prmppo.rewards.kl import kl_estimate
 from prmppo.rewards.orm import OutcomeReward
 from prmppo.rewards.terms import RewardTerm, RewardTerms
+from trainer_builders import ppo_settings, random_rollout, tiny_trainer
 
 # 2 prompts x 4 samples, responses of 5 or 4 tokens, right-padded
 MASK = torch.tensor([[1, 1, 1, 1, 1]] * 4 + [[1, 1, 1, 1, 0]] * 4, dtype=torch.float32)  # [8, 5]
@@ -188,34 +184,14 @@ def test_the_trainer_passes_the_std_floor_to_grpo():
 # ----------------------------------------------------------------------------- the trainer uses the rule
 
 def _ppo(*overrides: str):
-    return OmegaConf.to_object(compose_config([
-        "debug=smoke", "ppo.iterations=2", "ppo.prompts_per_iteration=2", "ppo.n_samples_per_prompt=4",
-        "ppo.minibatch_rows=8", "ppo.micro_batch_rows=4", "ppo.warmup_steps=0", *overrides]).ppo)
+    return ppo_settings(*overrides)
 
 
 def _trainer(ppo) -> PPOTrainer:
-    torch.manual_seed(0)
-    model = MistralForCausalLM(MistralConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                             tie_word_embeddings=True))
-    policy = LoraPolicy(model, detach_value_hidden=True, critic=ppo.advantage_estimator == "gae", r=4, alpha=8,
-                        dropout=0.0, target_modules=["q_proj", "v_proj"])
-    with torch.no_grad():  # move the policy off the reference, so the KL is not 0
-        for name, p in policy.model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(4)) * 0.5)
-    task = type("Task", (), {"problems": lambda self, split: list(range(10))})()
-    return PPOTrainer(policy=policy, tokenizer=None, task=task, reward=OutcomeReward(), engine=None, sync=None,
-                      ppo=ppo, logger=None, device=torch.device("cpu"), seed=0)
+    return tiny_trainer(ppo, lora_b_scale=0.5)  # the policy off the reference, so the KL is not 0
 
 
-def _rollout(outcome: list[float]) -> RolloutBatch:
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(4, 30, (3,), generator=g).tolist() for _ in range(2) for _ in range(4)]
-    responses = [torch.randint(4, 30, (int(n),), generator=g).tolist() for n in torch.randint(5, 9, (8,), generator=g)]
-    ids, att, pos, resp, mask, plen = collate(prompts, responses, pad_token_id=0)
-    return RolloutBatch([None] * 8, [""] * 8, ["stop"] * 8, ids, att, pos, resp, mask, torch.zeros(mask.shape),
-                        torch.tensor(outcome), plen)
+_rollout = random_rollout
 
 
 def _process_reward(batch) -> RewardTerms:
