@@ -1,4 +1,5 @@
-"""The reference gate: the KL reference's logits equal the base model's on a probe batch, after a PRM loads."""
+"""The reference gate: the logprobs the KL reads (`reference_score`) equal the base model's on a probe
+batch, after a PRM loads."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ from torch import nn
 
 from conftest import save_perturbed_prm, tiny_mistral
 from prmppo.guards.gates import REFERENCE_REL_TOLERANCE, GateError, check_reference, reference_probe
-from prmppo.models.policy import FullPolicy, LoraPolicy
+from prmppo.models.policy import FullPolicy, LoraPolicy, _causal_lm, _score
 from prmppo.models.prm import build_step_scorer, make_head
 from prmppo.models.tiny import build_char_tokenizer
 from prmppo.tasks import ArithTask
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TASK = ArithTask(sft_size=10, train_size=10, test_size=4)
+RUN = {"temperature": 1.0, "chunk_tokens": 4096}  # what the PPO loop passes reference_score
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +59,15 @@ def _policy_with_prm(tok, tmp_path, policy_type):
 @pytest.mark.parametrize("policy_type", [LoraPolicy, FullPolicy])
 def test_gate_passes_an_intact_reference_after_the_prm_loads(tok, tmp_path, policy_type):
     policy, probe = _policy_with_prm(tok, tmp_path, policy_type)
-    found = check_reference(policy, **probe)
+    found = check_reference(policy, **probe, **RUN)
     real = probe["probe_attention_mask"].bool()
     rows = [len(tok(p)["input_ids"]) for p in _prompts()]
-    assert found["probe_rows"] == 2 and found["probe_tokens"] == sum(rows) == int(real.sum())
-    # float32: tolerance = 1e-5 * max(1, largest |base logit| at a real token)
-    biggest = probe["base_logits"][real].abs().max().item()
-    assert found["dtype"] == "float32" and found["tolerance"] == pytest.approx(1e-5 * max(1.0, biggest))
-    assert found["max_abs_logit_diff"] <= 1e-6
+    # every token after a row's first is scored: the probe's real tokens less one a row
+    assert found["probe_rows"] == 2 and found["probe_tokens"] == sum(rows) - 2 == int(real.sum()) - 2
+    # float32: tolerance = 2 * 1e-5 * max(1, largest |base logit| that predicts a scored token) / temperature 1
+    biggest = probe["base_logits"][:, :-1][real[:, :-1] & real[:, 1:]].abs().max().item()
+    assert found["dtype"] == "float32" and found["tolerance"] == pytest.approx(2e-5 * max(1.0, biggest))
+    assert found["max_abs_logprob_diff"] <= 1e-5
 
 
 @pytest.mark.parametrize("policy_type", [LoraPolicy, FullPolicy])
@@ -74,71 +77,83 @@ def test_gate_refuses_a_reference_whose_weight_was_nudged(tok, tmp_path, policy_
     host = policy.reference if policy_type is FullPolicy else policy.model.get_base_model()
     with torch.no_grad():
         host.model.layers[0].mlp.down_proj.base_layer.weight.add_(0.2)
-    with pytest.raises(GateError, match=r"differ from the base model's by up to [0-9.e-]+ \(tolerance [0-9.e-]+ "
-                                        r"for float32\) on 2 probe prompts.*Likely cause") as refused:
-        check_reference(policy, **probe)
+    with pytest.raises(GateError, match=r"logprobs differ from the base model's by up to [0-9.e-]+ \(tolerance "
+                                        r"[0-9.e-]+ for float32 at temperature 1.0\) on 2 probe prompts.*Likely "
+                                        r"cause") as refused:
+        check_reference(policy, **probe, **RUN)
     assert "'prm'" in str(refused.value)  # names the adapters sitting on the reference's weights
 
 
 class _PrmOnReference(FullPolicy):
-    """FullPolicy as it was before the fix: the reference ran with the PRM adapter (its active one) on."""
+    """FullPolicy as it was before the fix: the KL's reference logprobs with the PRM adapter (the copy's
+    active one) on."""
 
     @torch.no_grad()
-    def reference_logits(self, input_ids, attention_mask, position_ids):
-        return self.reference(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              use_cache=False).logits
+    def reference_score(self, input_ids, attention_mask, position_ids, response_ids, response_mask,
+                        prompt_length, temperature, chunk_tokens):
+        return _score(_causal_lm(self.reference), None, input_ids, attention_mask, position_ids, response_ids,
+                      response_mask, prompt_length, temperature, chunk_tokens, False).logprobs
 
 
 def test_gate_refuses_a_reference_that_carries_the_prm_adapter(tok, tmp_path):
     policy, probe = _policy_with_prm(tok, tmp_path, _PrmOnReference)
     with pytest.raises(GateError, match=r"adapters on the reference's weights: \['prm'\]; a PRM adapter must be "
-                                        r"switched off by _PrmOnReference.reference_logits"):
-        check_reference(policy, **probe)
+                                        r"switched off by _PrmOnReference.reference_score"):
+        check_reference(policy, **probe, **RUN)
 
 
 class _ShiftedReference:
-    """A stand-in policy whose reference logits are the base's plus a constant shift at real tokens
-    and a huge one at pad positions (which the gate must ignore)."""
+    """A stand-in policy whose reference logprobs are the base's (from `base_logits`) plus a constant
+    shift where a token is scored and a huge one elsewhere (which the gate must ignore)."""
 
     prm_host = nn.Linear(1, 1)
 
-    def __init__(self, base_logits, attention_mask, shift):
-        self.base_logits, self.attention_mask, self.shift = base_logits, attention_mask, shift
+    def __init__(self, base_logits, shift):
+        self.base_logits, self.shift = base_logits, shift
 
-    def reference_logits(self, input_ids, attention_mask, position_ids):
-        real = self.attention_mask.bool().unsqueeze(-1)  # [R, L, 1]
-        return self.base_logits + torch.where(real, self.shift, 1e6)
+    def reference_score(self, input_ids, attention_mask, position_ids, response_ids, response_mask, prompt_length,
+                        temperature, chunk_tokens):
+        assert prompt_length == 1 and torch.equal(response_ids, input_ids[:, 1:])  # each token after the first
+        logprobs = torch.log_softmax(self.base_logits[:, :-1] / temperature, -1)  # [R, L - 1, V]
+        logprobs = logprobs.gather(-1, response_ids[..., None]).squeeze(-1)  # [R, L - 1]
+        return logprobs + torch.where(response_mask.bool(), self.shift, 1e6)
 
 
-@pytest.mark.parametrize("dtype,shift,passes", [
-    # largest |base logit| = 2.0, so tolerance = rel * 2.0:
-    (torch.float32, 1.5e-5, True),     # 1e-5 * 2 = 2e-5 >= 1.5e-5
-    (torch.float32, 5e-3, False),      # 5e-3 > 2e-5
-    (torch.bfloat16, 5e-3, True),      # 2**-7 * 2 = 0.015625 >= 5e-3
-    (torch.bfloat16, 2e-2, False),     # 0.02 > 0.015625
-    (torch.float16, 1.5e-3, True),     # 2**-10 * 2 = 0.001953 >= 1.5e-3
-    (torch.float16, 2.5e-3, False),    # 0.0025 > 0.001953
+# row 0 is left-padded by one; the scored tokens are those whose own position and the one before are
+# real: row 0's last, row 1's last two (3 in all), predicted by the logits at row 0 position 1 and
+# row 1 positions 0 and 1. The 9s sit at the pad only, so the largest |logit| that predicts is 2.0.
+ATTENTION = torch.tensor([[0, 1, 1], [1, 1, 1]])
+BASE = torch.tensor([[[9.0, 9.0], [0.5, -2.0], [0.0, 0.0]],  # [R=2, L=3, V=2]
+                     [[1.0, 0.0], [0.25, 1.5], [0.0, 0.0]]])
+
+
+@pytest.mark.parametrize("dtype,temperature,shift,passes", [
+    # tolerance = 2 * rel * 2.0 / temperature:
+    (torch.float32, 1.0, 3e-5, True),      # 2 * 1e-5 * 2 = 4e-5 >= 3e-5
+    (torch.float32, 1.0, 5e-3, False),     # 5e-3 > 4e-5
+    (torch.float32, 0.5, 6e-5, True),      # 4e-5 / 0.5 = 8e-5 >= 6e-5: a cooler temperature scales logprobs
+    (torch.bfloat16, 1.0, 2e-2, True),     # 2 * 2**-7 * 2 = 0.03125 >= 2e-2
+    (torch.bfloat16, 1.0, 4e-2, False),    # 0.04 > 0.03125
+    (torch.float16, 1.0, 3e-3, True),      # 2 * 2**-10 * 2 = 0.00390625 >= 3e-3
+    (torch.float16, 1.0, 5e-3, False),     # 0.005 > 0.00390625
 ])
-def test_tolerance_scales_with_dtype_and_logit_size_and_ignores_pads(dtype, shift, passes):
-    attention_mask = torch.tensor([[0, 1, 1], [1, 1, 1]])  # row 0 is left-padded by one
-    base = torch.tensor([[[9.0, 9.0], [0.5, -2.0], [0.0, 0.0]],  # [R=2, L=3, V=2]: the 9s sit at the pad only,
-                         [[1.0, 0.0], [0.25, 1.5], [0.0, 0.0]]])  # so the largest real |logit| is 2.0
-    policy = _ShiftedReference(base, attention_mask, shift)
-    probe = {"probe_input_ids": torch.zeros(2, 3, dtype=torch.long), "probe_attention_mask": attention_mask,
-             "probe_position_ids": torch.zeros(2, 3, dtype=torch.long), "base_logits": base, "dtype": dtype}
+def test_tolerance_scales_with_dtype_temperature_and_logit_size_and_ignores_pads(dtype, temperature, shift, passes):
+    policy = _ShiftedReference(BASE, shift)
+    probe = {"probe_input_ids": torch.tensor([[0, 1, 0], [1, 0, 1]]), "probe_attention_mask": ATTENTION,
+             "probe_position_ids": torch.zeros(2, 3, dtype=torch.long), "base_logits": BASE, "dtype": dtype}
     if passes:
-        found = check_reference(policy, **probe)
-        assert found["tolerance"] == pytest.approx(REFERENCE_REL_TOLERANCE[dtype] * 2.0)
-        assert found["max_abs_logit_diff"] == pytest.approx(shift, rel=2e-2) and found["probe_tokens"] == 5
+        found = check_reference(policy, **probe, temperature=temperature, chunk_tokens=4096)
+        assert found["tolerance"] == pytest.approx(2 * REFERENCE_REL_TOLERANCE[dtype] * 2.0 / temperature)
+        assert found["max_abs_logprob_diff"] == pytest.approx(shift, rel=2e-2) and found["probe_tokens"] == 3
     else:
         with pytest.raises(GateError, match=f"by up to {shift:.4g}"):
-            check_reference(policy, **probe)
+            check_reference(policy, **probe, temperature=temperature, chunk_tokens=4096)
 
 
 def test_gate_refuses_a_dtype_without_a_tolerance():
-    base = torch.zeros(1, 2, 3)
     probe = {"probe_input_ids": torch.zeros(1, 2, dtype=torch.long), "probe_attention_mask": torch.ones(1, 2),
-             "probe_position_ids": torch.zeros(1, 2, dtype=torch.long), "base_logits": base, "dtype": torch.float64}
+             "probe_position_ids": torch.zeros(1, 2, dtype=torch.long), "base_logits": torch.zeros(1, 2, 3),
+             "dtype": torch.float64}
     with pytest.raises(GateError, match=r"dtype torch.float64 has no tolerance; valid: torch.float32, "
                                         r"torch.bfloat16, torch.float16"):
-        check_reference(_ShiftedReference(base, torch.ones(1, 2), 0.0), **probe)
+        check_reference(_ShiftedReference(probe["base_logits"], 0.0), **probe, **RUN)

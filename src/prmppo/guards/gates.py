@@ -7,8 +7,9 @@ Run by `stages/ppo.py::train_ppo` in cost order, after config validation (`confi
   3. `check_rollout_engine`  the interpreter of `rollout.python` can run the engine (for vLLM: it
                          imports vllm and serves the model's attention head size);
   4. `derive_eos`        config.json, generation_config.json and the tokenizer agree on EOS.
-Once the policy is built (and its PRM loaded), `check_reference` compares the KL reference's logits
-with the base model's on a probe batch (`reference_probe`, taken before the policy wraps the model).
+Once the policy is built (and its PRM loaded), `check_reference` compares the logprobs the KL reads
+(`policy.reference_score`) with the base model's on a probe batch (`reference_probe`, taken before the
+policy wraps the model).
 (Horizon consistency, the last gate, is `ppo.loop.check_horizon`, run when the trainer is built.)
 Each gate returns what it derived, recorded under `"gates"` in `banner.json`, or raises
 `GateError` with a sentence that names the values and what would be valid.
@@ -183,6 +184,8 @@ def check_step_scorer(task, reward) -> dict:
         return {"step_scores": "none (outcome reward only)"}
     if reward.needs_learned_prm:
         return {"step_scores": "learned PRM"}
+    if not reward.needs_step_checker:  # reward=prm_likelihood_control
+        return {"step_scores": "the SFT model's likelihood (untrained step_logprobs rule, no PRM)"}
     probe = task.problems("test")[0]
     if task.check_steps(probe, probe.solution) is None:
         raise GateError(f"reward.scorer=oracle (reward=prm_oracle) needs an exact step checker, but task "
@@ -244,13 +247,15 @@ def check_trainable_modules(modules_to_save: list[str], architecture: dict | Non
 # least 1). The same weights through the same kernels agree to rounding, usually exactly; the room
 # is for kernel nondeterminism: float32 1e-5 (~100 units in the last place), 16-bit 2 units in the
 # last place (2**-7 bfloat16, 2**-10 float16). A PRM adapter left on in the reference shifts logits
-# by ~0.1-1 (0.73 on the test's tiny model), far above all three.
+# by ~0.1-1 (0.73 on the test's tiny model), far above all three. `check_reference` compares logprobs
+# at a temperature T, which a logit difference e moves by at most 2 e / T: its tolerance is that.
 REFERENCE_REL_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}
 
 
 def reference_probe(model, tokenizer, prompts: list[str]) -> dict:
     """The probe batch for `check_reference` and the base model's logits on it: call with the freshly
-    loaded model, before the policy wraps it. Returns `check_reference`'s keyword arguments."""
+    loaded model, before the policy wraps it. Returns `check_reference`'s keyword arguments, all but
+    the run's `temperature` and `chunk_tokens`."""
     if not prompts:
         raise GateError("reference check: no probe prompts; pass one or more formatted task prompts")
     parameter = next(model.parameters())
@@ -270,29 +275,40 @@ def _adapter_names(model) -> list[str]:
 
 
 def check_reference(policy, probe_input_ids, probe_attention_mask, probe_position_ids, base_logits,
-                    dtype: torch.dtype) -> dict:
-    """The policy's KL reference must be the base model it was built on: its logits on the probe batch
-    equal `base_logits` (the base's, from `reference_probe`) at every real token, within
-    `REFERENCE_REL_TOLERANCE[dtype]` times the largest |base logit| (at least 1). Run after the step
-    scorer is built, so a PRM adapter loaded onto the reference's weights is covered.
+                    dtype: torch.dtype, temperature: float, chunk_tokens: int) -> dict:
+    """The policy's KL reference must be the base model it was built on. Checked on the path the KL
+    reads: `policy.reference_score` (as the PPO loop calls it, at the run's `temperature` and
+    `chunk_tokens`) scores every probe token after the first as a response to the tokens before it,
+    and those logprobs must equal the base's (`base_logits` from `reference_probe`, tempered and
+    log-softmaxed) wherever the token and the one before it are real, within
+    2 * `REFERENCE_REL_TOLERANCE[dtype]` * max(1, largest |base logit| there) / `temperature`. Run after
+    the step scorer is built, so a PRM adapter loaded onto the reference's weights is covered.
     Returns the largest difference, the tolerance and the probe's shape, for `banner.json`."""
     if dtype not in REFERENCE_REL_TOLERANCE:
         raise GateError(f"reference check: model dtype {dtype} has no tolerance; valid: "
                         f"{', '.join(str(d) for d in REFERENCE_REL_TOLERANCE)}")
-    reference = policy.reference_logits(probe_input_ids, probe_attention_mask, probe_position_ids)  # [R, L, V]
-    real = probe_attention_mask.bool().cpu()  # [R, L]: pad positions are masked, their logits mean nothing
-    base = base_logits.float().cpu()[real]  # [N, V]
-    diff = (reference.float().cpu()[real] - base).abs().max().item()
-    tolerance = REFERENCE_REL_TOLERANCE[dtype] * max(1.0, base.abs().max().item())
-    found = {"max_abs_logit_diff": diff, "tolerance": tolerance, "dtype": str(dtype).removeprefix("torch."),
-             "probe_rows": int(real.shape[0]), "probe_tokens": int(real.sum())}
+    ids, attention = probe_input_ids, probe_attention_mask
+    tokens = ids[:, 1:]  # [R, L - 1] each token after the first, a response to the prefix before it
+    scored = attention[:, :-1].bool() & attention[:, 1:].bool()  # [R, L - 1] the token and its prefix's end are real
+    if not scored.any():
+        raise GateError("reference check: no probe prompt has two tokens to score; pass longer prompts")
+    reference = policy.reference_score(ids, attention, probe_position_ids, tokens, scored.to(base_logits.dtype),
+                                       1, temperature, chunk_tokens)  # [R, L - 1]
+    predicting = base_logits.float().cpu()[:, :-1]  # [R, L - 1, V] the logits that predict each token
+    base = torch.log_softmax(predicting / temperature, -1).gather(-1, tokens.cpu()[..., None]).squeeze(-1)
+    real = scored.cpu()
+    diff = (reference.float().cpu()[real] - base[real]).abs().max().item()
+    tolerance = 2 * REFERENCE_REL_TOLERANCE[dtype] * max(1.0, predicting[real].abs().max().item()) / temperature
+    found = {"max_abs_logprob_diff": diff, "tolerance": tolerance, "dtype": str(dtype).removeprefix("torch."),
+             "temperature": temperature, "probe_rows": int(real.shape[0]), "probe_tokens": int(real.sum())}
     if not diff <= tolerance:  # NaN fails too
         adapters = _adapter_names(policy.prm_host)
         raise GateError(
-            f"reference check: the KL reference's logits differ from the base model's by up to {diff:.4g} (tolerance "
-            f"{tolerance:.3g} for {found['dtype']}) on {found['probe_rows']} probe prompts, so the KL penalty would "
-            f"pull the policy toward another model than the SFT checkpoint. Likely cause: a peft adapter left on in "
-            f"the reference (adapters on the reference's weights: {adapters or 'none'}; a PRM adapter must be "
-            f"switched off by {type(policy).__name__}.reference_logits), or a reference weight changed in place "
-            f"since the base was loaded (a peft merge, or an optimizer that holds the reference's parameters)")
+            f"reference check: the KL reference's logprobs differ from the base model's by up to {diff:.4g} "
+            f"(tolerance {tolerance:.3g} for {found['dtype']} at temperature {temperature}) on "
+            f"{found['probe_rows']} probe prompts, so the KL penalty would pull the policy toward another model "
+            f"than the SFT checkpoint. Likely cause: a peft adapter left on in the reference (adapters on the "
+            f"reference's weights: {adapters or 'none'}; a PRM adapter must be switched off by "
+            f"{type(policy).__name__}.reference_score), or a reference weight changed in place since the base was "
+            f"loaded (a peft merge, or an optimizer that holds the reference's parameters)")
     return found

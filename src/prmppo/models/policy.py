@@ -6,13 +6,14 @@ exists; a later `prm` adapter lives on the same base. `lora=none` -> `FullPolicy
 weight trains and a frozen deep copy is the reference; the `prm` adapter joins that copy (the
 trained weights keep moving), so the reference runs it with every adapter switched off
 (`adapters_off`). Either way the reference's logits are the SFT base's, whatever PRM is loaded:
-`guards.gates.check_reference` verifies this at build time.
+`guards.gates.check_reference` verifies this at build time, through `reference_score`, the path the
+KL reads.
 
 Both expose the same surface to the PPO loop: `score` (logprobs of the taken response tokens,
 their entropies and values, computed from the final hidden states in chunks through the LM head so
 that no [B, T, V] logit tensor exists: models/token_scores.py), `reference_score` (the same logprobs
-under the reference, no grad), `forward` / `reference_logits` (full logits, for the gates and
-tests), `enable_gradient_checkpointing`, `compile_decoder_layers`, `policy_parameters`, `value_parameters`, `save_merged`
+under the reference, no grad: what the KL reads), `forward` / `reference_logits` (full logits, for
+tests and benchmarks), `enable_gradient_checkpointing`, `compile_decoder_layers`, `policy_parameters`, `value_parameters`, `save_merged`
 (an HF-layout directory of the current policy, for the checkpoint sync and for evaluation) and
 `save_adapter` (the adapter sync).
 LoRA factors are kept in the base model's dtype (bf16 GEMMs on a bf16 model; the optimizer steps
@@ -404,7 +405,7 @@ class FullPolicy(_PolicyBase):
     @property
     def prm_host(self) -> nn.Module:
         """The model a PRM adapter joins: the frozen copy (the trained weights keep moving), which
-        `reference_logits` runs with that adapter off."""
+        `reference_score` and `reference_logits` run with that adapter off."""
         return self.reference
 
     @torch.no_grad()

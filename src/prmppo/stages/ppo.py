@@ -293,7 +293,8 @@ def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict,
         with laps.lap("reward"):
             reward = _reward(cfg, task, tokenizer, policy, prm_dir)
         with laps.lap("reference_gate"):  # after the PRM loads: it must not move the reference
-            gates["reference"] = check_reference(policy, **probe)
+            gates["reference"] = check_reference(policy, temperature=cfg.ppo.temperature,
+                                                 chunk_tokens=cfg.ppo.logit_chunk_tokens, **probe)
         ppo = OmegaConf.to_object(cfg.ppo)
         pieces = _RankPieces(cfg, policy, tokenizer, lambda path: _canary(cfg, task, tokenizer, policy, path), run_dir,
                              ranks, ppo.iterations, ppo.keep_checkpoints)  # N ranks: the check and the sharding
