@@ -5,8 +5,11 @@ what they call takes values."""
 from __future__ import annotations
 
 import os
+import platform
 import socket
+import subprocess
 import time
+from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -58,16 +61,67 @@ def open_metrics(cfg: DictConfig, run_dir: Path, stage: str) -> MetricsLogger:
     return MetricsLogger(run_dir, stage, console=cfg.logger.console, sinks=sinks)
 
 
+# the packages whose versions decide a run's numbers, by distribution name
+RECORDED_PACKAGES = ("prmppo", "torch", "transformers", "peft", "tokenizers", "hydra-core", "omegaconf")
+
+
+def code_commit(source_dir: Path | None = None) -> dict | None:
+    """`{"commit": HEAD, "dirty": tracked files differ from it}` of the git checkout that holds the running
+    prmppo source (`source_dir`, default this package's directory), or None when that source is not a tracked
+    file of a checkout (an installed wheel, a copy without git, no git program): never an error."""
+    source_dir = Path(source_dir or Path(__file__).resolve().parents[1])
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(source_dir), *args], capture_output=True, text=True, check=True,
+                              timeout=20).stdout.strip()
+
+    try:
+        # a wheel installed into a virtualenv that sits inside some checkout is not that checkout's source
+        git("ls-files", "--error-unmatch", "__init__.py")
+        commit = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": commit, "dirty": dirty}
+
+
+def package_versions() -> dict[str, str | None]:
+    """Python's version and each of `RECORDED_PACKAGES`' (None for one that is not installed)."""
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    for name in RECORDED_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (`/proc/cpuinfo` on Linux, else what `platform` knows), None when unknown."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def record_start(run_dir: Path, train_device: str) -> None:
     """`run_info.json`: when the run started (unix seconds) and on what (host name, CPU count, the training
-    device's name), for reports' runtimes and hardware. A relaunch (resume) keeps the first launch's record."""
+    device's name, the CPU's model), with which code (`code`: git commit and dirty flag of the source
+    checkout, null for an installed wheel) and which versions of Python and the packages that decide its
+    numbers, for reports' runtimes and hardware and for telling why two machines' numbers differ. A relaunch
+    (resume) keeps the first launch's record."""
     path = run_dir / "run_info.json"
     if path.exists():
         return
     device = torch.device(train_device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" and torch.cuda.is_available() else "cpu"
     write_json_atomic(path, {"started_at": time.time(), "hostname": socket.gethostname(),
-                             "cpu_count": os.cpu_count(), "device": name})
+                             "cpu_count": os.cpu_count(), "device": name, "cpu_model": cpu_model(),
+                             "code": code_commit(), "versions": package_versions()})
 
 
 def write_stage_result(run_dir: Path, cfg: DictConfig, stage: str, summary: dict, status: str | None = None,
