@@ -54,6 +54,13 @@ class ArithTaskConfig(TaskConfig):
     sft_size: int = 20000
     train_size: int = 20000
     test_size: int = 200
+    # a systematic error in the SFT worked solutions only (RL prompts, the verifier, the step checker and
+    # PRM labels stay true): none | carry (an addition step whose units digits carry is written without
+    # the carry, result - 10, and the solution goes on from the written value; tasks/arith.py)
+    sft_flaw: str = "none"
+    # carry only: probability that a carrying step of an SFT solution is written flawed, drawn per step
+    # from a stream seeded per solution; in [0, 1], and 0 with sft_flaw=none
+    sft_flaw_rate: float = 0.0
 
 
 @dataclass

@@ -16,6 +16,19 @@ Difficulty knobs (operand count, value range, operators) are set separately for 
 distribution (warm-start worked solutions) and the `rl` distribution (`train` and `test`
 prompts), so RL can ask for longer chains than SFT showed.
 
+A flawed warm start (`sft_flaw="carry"`, off by default): in the `sft` split's worked solutions
+only, an addition step whose units digits carry is written without the carry (the result minus 10)
+with probability `sft_flaw_rate`, and the solution goes on from the written value, as a solver with
+one consistent bug would, so its answer line is wrong too. `Problem.answer`, the verifier, the step
+checker, `corrupt` and the `train` / `test` splits stay true arithmetic; a `sft` problem's `meta`
+lists the steps written wrong (`flawed_steps`). With a rate above 1/2 the warm-started policy's
+most likely token at a carry is the wrong one, so greedy decoding and pass@k on prompts with carries
+can only rise if RL moves probability to the minority correct variant, which no change of sampling
+temperature does.
+
+    sft    "18+5-3\n"  ->  "18+5=13\n13-3=10\nAnswer: 10"   (8+5 carries; the flaw drops it)
+    gold                   "18+5=23\n23-3=20\nAnswer: 20"
+
 Simplifications: operands are non-negative (a leading minus in the question would be
 ambiguous with subtraction); only "\n" is supported as the step delimiter; no division.
 
@@ -38,6 +51,7 @@ from prmppo.tasks.base import SPLITS, Problem
 
 
 SUPPORTED_OPERATORS = ("+", "-", "*")
+SFT_FLAWS = ("none", "carry")
 DIFFICULTY_KEYS = ("min_operands", "max_operands", "min_value", "max_value", "operators")
 
 # A written step "<a><op><b>=<c>": a and c may be negative (running values can go below
@@ -78,6 +92,20 @@ def _int_knob(key: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"task.{key} must be an integer, got {value!r}")
     return value
+
+
+def _parse_flaw(flaw: object, rate: object) -> tuple[str, float]:
+    """Validate `task.sft_flaw` and `task.sft_flaw_rate` (see the module docstring)."""
+    if flaw not in SFT_FLAWS:
+        raise ValueError(f"task.sft_flaw must be one of {SFT_FLAWS}, got {flaw!r}")
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
+        raise ValueError(f"task.sft_flaw_rate must be a number in [0, 1], got {rate!r}")
+    if flaw == "none" and rate != 0:
+        raise ValueError(
+            f"task.sft_flaw_rate={rate} has no effect with task.sft_flaw=none; set task.sft_flaw=carry "
+            "or task.sft_flaw_rate=0"
+        )
+    return str(flaw), float(rate)
 
 
 def parse_difficulty(key: str, spec: Mapping | None) -> Difficulty:
@@ -139,6 +167,38 @@ def chain_values(operands: Sequence[int], operators: Sequence[str]) -> list[int]
     return values
 
 
+def carries(left: int, operator: str, right: int) -> bool:
+    """True for an addition whose units digits carry: `left` >= 0 and left % 10 + right % 10 >= 10.
+
+    A negative `left` (a running value below zero) plus a non-negative operand is a subtraction in
+    column arithmetic, so it never counts as a carry.
+    """
+    return operator == "+" and left >= 0 and left % 10 + right % 10 >= 10
+
+
+def carry_steps(operands: Sequence[int], operators: Sequence[str]) -> int:
+    """How many steps of the true chain carry (`carries`), the steps the `carry` SFT flaw can hit."""
+    lefts = [operands[0]] + chain_values(operands, operators)[:-1]
+    return sum(carries(left, op, right) for left, op, right in zip(lefts, operators, operands[1:]))
+
+
+def carry_flawed_chain(
+    operands: Sequence[int], operators: Sequence[str], rate: float, rng: random.Random
+) -> tuple[list[int], tuple[int, ...]]:
+    """(written results, 0-based steps written without their carry) of a solver that drops each carry
+    with probability `rate`: a step that carries from the *written* previous value draws once from
+    `rng`, and every later step starts from the written value."""
+    results, flawed, previous = [], [], operands[0]
+    for k, (operator, operand) in enumerate(zip(operators, operands[1:])):
+        result = apply_operator(previous, operator, operand)
+        if carries(previous, operator, operand) and rng.random() < rate:
+            result -= 10
+            flawed.append(k)
+        results.append(result)
+        previous = result
+    return results, tuple(flawed)
+
+
 def _render_solution(
     operands: Sequence[int], operators: Sequence[str], results: Sequence[int], answer: int
 ) -> str:
@@ -183,8 +243,11 @@ class ArithTask:
         train_size: int = ArithTaskConfig.train_size,
         test_size: int = ArithTaskConfig.test_size,
         step_delimiter: str = ArithTaskConfig.step_delimiter,
+        sft_flaw: str = ArithTaskConfig.sft_flaw,
+        sft_flaw_rate: float = ArithTaskConfig.sft_flaw_rate,
     ) -> None:
         self.seed = _int_knob("seed", seed)
+        self.sft_flaw, self.sft_flaw_rate = _parse_flaw(sft_flaw, sft_flaw_rate)
         self.sft = parse_difficulty("sft", sft)
         self.rl = parse_difficulty("rl", rl)
         self.sizes = {
@@ -219,8 +282,24 @@ class ArithTask:
             else:
                 test_questions = frozenset(p.question for p in self.problems("test"))
                 difficulty = self.sft if split == "sft" else self.rl
-                self._cache[split] = self._generate(split, difficulty, exclude=test_questions, distinct=False)
+                problems = self._generate(split, difficulty, exclude=test_questions, distinct=False)
+                # the flaw rewrites solutions only: the same questions as without it, in the same order
+                self._cache[split] = self._with_flaw(problems) if split == "sft" else problems
         return list(self._cache[split])
+
+    def _with_flaw(self, problems: list[Problem]) -> list[Problem]:
+        """The `sft` problems with `sft_flaw` applied to their solutions (unchanged for "none")."""
+        if self.sft_flaw == "none":
+            return problems
+        flawed = []
+        for index, problem in enumerate(problems):
+            operands, operators = problem.meta["operands"], problem.meta["operators"]
+            # one stream per solution: its draws do not depend on any other solution's carries
+            rng = random.Random(f"{self.seed}-sft-flaw-{index}")
+            results, steps = carry_flawed_chain(operands, operators, self.sft_flaw_rate, rng)
+            solution = _render_solution(operands, operators, results, results[-1])
+            flawed.append(Problem(problem.question, solution, problem.answer, {**problem.meta, "flawed_steps": steps}))
+        return flawed
 
     def _generate(
         self, split: str, difficulty: Difficulty, exclude: frozenset[str], distinct: bool
@@ -272,6 +351,13 @@ class ArithTask:
     def split_steps(self, response: str) -> list[str]:
         """Lines of the response, stripped, empty lines dropped (the answer line is a step)."""
         return [line.strip() for line in response.split(self.step_delimiter) if line.strip()]
+
+    def difficulty(self, problem: Problem) -> dict[str, int]:
+        """`{"operands": n, "carries": c}`: the chain's length, the knob the task's difficulty ranges set,
+        and how many steps of the true chain carry in the units digit (`carry_steps`), the steps the
+        `carry` SFT flaw teaches the policy to get wrong."""
+        operands, operators = parse_question(problem.question)
+        return {"operands": len(operands), "carries": carry_steps(operands, operators)}
 
     # --- steps --------------------------------------------------------------------------
 
