@@ -7,6 +7,7 @@ left padding, the KV-cache loop, EOS trimming and the `max_new_tokens` cut are a
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict, deque
 from itertools import combinations
 from math import comb
@@ -126,6 +127,32 @@ def test_score_counts_scripted_outcomes_by_hand(task):
         # pass@2: p0 1 - C(2,2)/C(4,2) = 5/6, p1 0, p2 1 -> (5/6 + 0 + 1) / 3 = 11/18
         assert sampled["pass@2"] == pytest.approx(11 / 18)
         assert "greedy_accuracy" not in sampled
+
+
+def test_score_keeps_each_problems_outcomes_by_hand(task):
+    p0, p1, p2 = task.problems("test")
+    tokenizer = build_char_tokenizer(task.alphabet())
+    prompt = task.format_prompt
+    # each prompt's greedy response first, then its 3 samples: greedy R W C; samples p0 R W W, p1 W W W, p2 R R C
+    script = {prompt(p0): [p0.solution, p0.solution, _wrong(p0), _wrong(p0)],
+              prompt(p1): [_wrong(p1), _wrong(p1), _wrong(p1), _wrong(p1)],
+              prompt(p2): [_cut(p2), p2.solution, p2.solution, _cut(p2)]}
+    model = ScriptedLM(tokenizer, script)
+    result = score(model, tokenizer, task, [p0, p1, p2], k=3, temperature=1.0, max_new_tokens=MAX_NEW_TOKENS,
+                   batch_rows=256, seed=0, per_problem=True)
+    ids = [hashlib.sha1(p.question.encode()).hexdigest()[:12] for p in (p0, p1, p2)]
+    hard = [task.difficulty(p) for p in (p0, p1, p2)]
+    assert [h["operands"] for h in hard] == [2, 2, 2]  # a+b
+    assert result["problems"] == [
+        {"index": 0, "id": ids[0], "difficulty": hard[0], "greedy_correct": True, "correct_of_k": 1, "k": 3},
+        {"index": 1, "id": ids[1], "difficulty": hard[1], "greedy_correct": False, "correct_of_k": 0, "k": 3},
+        {"index": 2, "id": ids[2], "difficulty": hard[2], "greedy_correct": False, "correct_of_k": 2, "k": 3}]
+    # the aggregates are the rows' means: greedy 1/3, sampled (1 + 0 + 2) / 9
+    assert result["greedy_accuracy"] == pytest.approx(1 / 3) and result["sampled_accuracy"] == pytest.approx(3 / 9)
+    assert len(set(ids)) == 3
+    model = ScriptedLM(tokenizer, {prompt(p0): [p0.solution]})
+    assert "problems" not in score(model, tokenizer, task, [p0], k=0, temperature=1.0, max_new_tokens=MAX_NEW_TOKENS,
+                                   batch_rows=4, seed=0)  # only when asked: the canary's rows stay small
 
 
 def test_generation_runs_compiled_decoder_layers_eagerly(task):

@@ -9,6 +9,7 @@ pass@k = E[1 - C(n - c, k) / C(n, k)] with n samples of which c are correct.
 
 from __future__ import annotations
 
+import hashlib
 from math import comb
 
 import torch
@@ -46,17 +47,32 @@ def generate_texts(model, tokenizer, prompts: list[str], *, n: int, temperature:
     return texts
 
 
+def problem_id(problem) -> str:
+    """A short stable id of a problem (the first 12 hex digits of its question's SHA-1): the same test problem
+    has the same id in every run, whatever its position."""
+    return hashlib.sha1(problem.question.encode("utf-8")).hexdigest()[:12]
+
+
 def score(model, tokenizer, task, problems, *, k: int, temperature: float, max_new_tokens: int,
-          batch_rows: int, seed: int, greedy: bool = True, show_progress: bool = False) -> dict[str, float]:
-    """`greedy_accuracy`, `sampled_accuracy` (mean over k samples) and `pass@k` over `problems`."""
+          batch_rows: int, seed: int, greedy: bool = True, show_progress: bool = False,
+          per_problem: bool = False) -> dict:
+    """`greedy_accuracy`, `sampled_accuracy` (mean over k samples) and `pass@k` over `problems`; with
+    `per_problem`, also `problems`: for each problem in order its `index`, `id` (`problem_id`), the task's
+    `difficulty`, `greedy_correct` (with `greedy`) and `correct_of_k` of its `k` samples (with k > 0), the
+    outcomes a bootstrap over prompts and seeds resamples."""
     was_training = model.training
     model.eval()
     prompts = [task.format_prompt(p) for p in problems]
-    result: dict[str, float] = {"n_problems": float(len(problems))}
+    result: dict = {"n_problems": float(len(problems))}
+    rows = [{"index": i, "id": problem_id(p), "difficulty": task.difficulty(p)} for i, p in enumerate(problems)] \
+        if per_problem else [{} for _ in problems]
     if greedy:
         texts = generate_texts(model, tokenizer, prompts, n=1, temperature=0.0, max_new_tokens=max_new_tokens,
                                batch_rows=batch_rows, seed=seed, show_progress=show_progress)
-        result["greedy_accuracy"] = sum(task.verify(p, t) for p, t in zip(problems, texts)) / len(problems)
+        verdicts = [task.verify(p, t) for p, t in zip(problems, texts)]
+        result["greedy_accuracy"] = sum(verdicts) / len(problems)
+        for row, verdict in zip(rows, verdicts):
+            row["greedy_correct"] = bool(verdict)
     if k > 0:
         texts = generate_texts(model, tokenizer, prompts, n=k, temperature=temperature,
                                max_new_tokens=max_new_tokens, batch_rows=batch_rows, seed=seed,
@@ -66,5 +82,9 @@ def score(model, tokenizer, task, problems, *, k: int, temperature: float, max_n
         result[f"pass@{k}"] = sum(pass_at_k(k, c, k) for c in correct) / len(problems)
         if k >= 2:
             result["pass@2"] = sum(pass_at_k(k, c, 2) for c in correct) / len(problems)
+        for row, right in zip(rows, correct):
+            row.update(correct_of_k=int(right), k=k)
+    if per_problem:
+        result["problems"] = rows
     model.train(was_training)
     return result

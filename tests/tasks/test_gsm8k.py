@@ -50,6 +50,7 @@ def test_first_test_row_is_janets_ducks(task):
     assert problem.meta["line"] == 1 and problem.meta["raw_answer"].endswith("#### 18")
     assert task.format_prompt(problem) == f"Question: {problem.question}\nAnswer:\n"
     assert task.check_steps(problem, problem.solution) is None
+    assert task.difficulty(problem) == {"gold_steps": 2}  # two reasoning lines, then the answer line
     assert isinstance(task, Task) and task.name == "gsm8k"
 
 

@@ -138,12 +138,13 @@ def write_stage_result(run_dir: Path, cfg: DictConfig, stage: str, summary: dict
 
 
 def evaluate_checkpoint(cfg: DictConfig, task, checkpoint: Path) -> dict:
-    """Greedy accuracy, sampled accuracy (eval.k samples at eval.temperature) and pass@k on `test`."""
+    """Greedy accuracy, sampled accuracy (eval.k samples at eval.temperature) and pass@k on `test`, and
+    `problems`: each test problem's outcomes (`evaluation.score`'s `per_problem`)."""
     model = load_model(checkpoint, cfg.model.dtype, train_device(cfg))
     tokenizer = load_tokenizer(checkpoint)
     problems = task.problems("test")[: cfg.eval.n_problems]
     start = time.time()
     result = score(model, tokenizer, task, problems, k=cfg.eval.k, temperature=cfg.eval.temperature,
                    max_new_tokens=cfg.eval.max_new_tokens, batch_rows=cfg.eval.batch_rows, seed=cfg.seed,
-                   show_progress=cfg.logger.console)
+                   show_progress=cfg.logger.console, per_problem=True)
     return {"checkpoint": str(checkpoint), **result, "eval_seconds": time.time() - start}

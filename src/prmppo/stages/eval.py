@@ -5,7 +5,9 @@ and pass@k on the test split.
     python -m prmppo stage=eval                     # this config's SFT and PPO artifacts, when they exist
 
 `side_by_side` is the pipeline's last step: the SFT and PPO policies on the same problems, and
-their difference.
+their difference. eval.json also keeps, per policy, every test problem's outcomes (`problems`: index,
+id, difficulty, greedy verdict, right samples of k), so that reports can resample prompts as well as
+seeds; the stage summaries leave them out.
 """
 
 from __future__ import annotations
@@ -42,8 +44,14 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
             logger.log(0, {f"eval/{name}/{k}": v for k, v in summary[name].items() if isinstance(v, float)},
                        echo=True)
     write_json_atomic(run_dir / "eval.json", summary)
+    summary = {name: without_problems(result) for name, result in summary.items()}
     write_stage_result(run_dir, cfg, "eval", summary)
     return summary
+
+
+def without_problems(result: dict) -> dict:
+    """An evaluation without its per-problem outcomes: those live in eval.json alone, not in every summary."""
+    return {key: value for key, value in result.items() if key != "problems"}
 
 
 def side_by_side(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path, ppo_checkpoint: Path) -> dict:
@@ -57,4 +65,4 @@ def side_by_side(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path, ppo
             logger.log(0, {f"eval/{name}/{k}": v for k, v in result.items() if isinstance(v, float)}, echo=True)
         logger.log(0, {f"eval/delta/{k}": v for k, v in delta.items()}, echo=True)
     write_json_atomic(run_dir / "eval.json", {**evaluation, "delta": delta})
-    return {"eval": evaluation, "delta": delta}
+    return {"eval": {name: without_problems(result) for name, result in evaluation.items()}, "delta": delta}

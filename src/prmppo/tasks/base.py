@@ -58,6 +58,10 @@ class Task(Protocol):
     def check_steps(self, problem: Problem, response: str) -> list[bool] | None:
         """Exact per-step correctness, or None when the task has no exact step checker."""
 
+    def difficulty(self, problem: Problem) -> dict[str, int]:
+        """What makes this problem hard, as named counts (e.g. `{"operands": 4}`); reports group the final
+        evaluation's per-problem outcomes by it."""
+
     def corrupt(self, problem: Problem, position: int, rng: random.Random) -> str:
         """The gold solution with step `position` (0-based) made wrong; the final answer is wrong too."""
 

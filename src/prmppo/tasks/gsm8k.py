@@ -207,6 +207,10 @@ class GSM8KTask:
         """Lines of the response, stripped, empty lines dropped (the answer line is a step)."""
         return [line.strip() for line in response.split(self.step_delimiter) if line.strip()]
 
+    def difficulty(self, problem: Problem) -> dict[str, int]:
+        """`{"gold_steps": n}`: the reasoning lines of the gold solution, its answer line not counted."""
+        return {"gold_steps": len(self.split_steps(problem.solution)) - 1}
+
     def check_steps(self, problem: Problem, response: str) -> None:
         """GSM8K has no exact step checker; step labels come from Monte-Carlo completions."""
         return None
