@@ -1,9 +1,13 @@
-"""PPOTrainer's update on hand-built batches: separate gradient clipping, true logged losses, the LR
-that ran, dropout-consistent ratios, the critic only where it is used, upcast-then-temper logprobs,
-fp32 master weights for half-precision parameters, and the engine-gap limit above the noise floor."""
+"""PPOTrainer on hand-built batches: the LR schedule's horizon checked when the trainer is built; in
+assemble, GAE against a hand computation (decoupled lambdas, truncated rows bootstrapped from the value
+at the cut) and a group baseline's scale-only normalisation; in the update, separate gradient clipping,
+true logged losses, the LR that ran, dropout-free ratios, the critic only where it is used,
+upcast-then-temper logprobs, fp32 master weights for half-precision parameters, and the engine-gap
+limit above the noise floor."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -16,10 +20,11 @@ from conftest import compose_config
 from prmppo.models.policy import POLICY_ADAPTER, LoraPolicy
 from prmppo.ppo import maths
 from prmppo.ppo.batch import TrainBatch, collate
-from prmppo.ppo.loop import PPOTrainer
+from prmppo.ppo.loop import HorizonError, PPOTrainer
 from prmppo.ppo.optim import MasterWeights
 from prmppo.rewards.orm import OutcomeReward
 from prmppo.guards.monitors import engine_gap_tripwire
+from trainer_builders import ppo_settings, random_rollout, tiny_trainer
 
 TARGETS = ["q_proj", "v_proj"]
 
@@ -81,6 +86,114 @@ def _policy_grads_seen(trainer) -> list[list[torch.Tensor]]:
     trainer.policy_optimizer.step = spy
     return seen
 
+
+def test_the_trainer_refuses_a_schedule_that_ends_before_the_loop():
+    # 8 rows in minibatches of 3: the schedule's horizon counts 8 // 3 = 2 minibatches an epoch, the loop
+    # steps on 3 slices (3, 3, 2); over 4 iterations the schedule would end after 8 of the 12 steps
+    with pytest.raises(HorizonError, match=r"spans 8 steps but the update loop takes 12 policy optimizer steps"):
+        _trainer(_policy(critic=False), _ppo("ppo.minibatch_rows=3", "ppo.micro_batch_rows=1"))
+
+
+# ----------------------------------------------------------------------------- assemble: task advantages
+
+def _critic_trainer(*overrides: str):
+    """A GAE trainer with no KL anywhere and no normalisation, whose critic predicts values away from 0
+    (its head starts at 0, which would make every value, and so the bootstrap, 0)."""
+    trainer = tiny_trainer(ppo_settings("ppo.advantage_estimator=gae", "ppo.kl_coef=0", "ppo.kl_loss_coef=0",
+                                        "ppo.whiten_advantages=false", *overrides))
+    with torch.no_grad():
+        head = trainer.policy.value_head.linear
+        head.weight.copy_(torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(5)))
+        head.bias.fill_(0.5)
+    return trainer
+
+
+def _values_before_assemble(trainer, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The critic's V(s_t) [B, T] (at the position before response token t) and its value after each
+    row's last token [B], from one forward of the whole batch (assemble's first batch then moves the
+    head's return statistics)."""
+    plen, width = batch.prompt_length, batch.response_ids.shape[1]
+    trainer.policy.train(False)
+    with torch.no_grad():
+        values = trainer.policy.score(batch.input_ids, batch.attention_mask, batch.position_ids, batch.response_ids,
+                                      batch.response_mask, plen, 1.0, 4096).values  # [B, P + T]
+    lengths = batch.response_mask.sum(-1).long()  # [B]
+    return values[:, plen - 1:plen - 1 + width] * batch.response_mask, values[torch.arange(len(batch)),
+                                                                               plen - 1 + lengths]
+
+
+def _hand_gae(rewards, values, mask, bootstrap, gamma: float, lam: float):
+    """GAE from its definition, a token at a time from each row's end: delta_t = r_t + gamma V_{t+1} - V_t
+    with V after the last token = `bootstrap` [B]; A_t = delta_t + gamma lam A_{t+1}; returns A + V."""
+    advantages = torch.zeros_like(values)
+    for row in range(values.shape[0]):
+        next_value, running = float(bootstrap[row]), 0.0
+        for t in reversed(range(int(mask[row].sum()))):
+            delta = float(rewards[row, t]) + gamma * next_value - float(values[row, t])
+            running = delta + gamma * lam * running
+            advantages[row, t], next_value = running, float(values[row, t])
+    return advantages, (advantages + values) * mask
+
+
+def test_assemble_bootstraps_rows_cut_at_the_length_limit_from_the_value_at_the_cut():
+    trainer = _critic_trainer()
+    batch = dataclasses.replace(random_rollout([1., 0., 0., 1., 1., 1., 0., 1.]),
+                                finish_reasons=["length", "stop"] * 4)
+    values, after = _values_before_assemble(trainer, batch)
+    cut = torch.tensor([reason == "length" for reason in batch.finish_reasons])
+    assert after[cut].abs().min() > 0.05  # a bootstrap of 0 would show
+    rewards = OutcomeReward()(batch)[0]
+    train, _ = trainer.assemble(batch, rewards, trainer.plan(batch, 0))
+    # gamma 1, lambda 1: the return is the rest of the row's reward plus, for a cut row, the value after
+    # its last token (the response would have gone on); a row that ended (EOS) is worth nothing after it
+    mask = batch.response_mask
+    rest = rewards.terms["outcome"].values.flip(-1).cumsum(-1).flip(-1) * mask  # [B, T]
+    expected_returns = (rest + torch.where(cut, after, 0.0)[:, None]) * mask
+    torch.testing.assert_close(train.returns, expected_returns, rtol=0, atol=1e-5)
+    torch.testing.assert_close(train.advantages, expected_returns - values, rtol=0, atol=1e-5)
+    hand_advantages, _ = _hand_gae(rewards.terms["outcome"].values, values, mask, torch.where(cut, after, 0.0), 1.0,
+                                   1.0)
+    torch.testing.assert_close(train.advantages, hand_advantages, rtol=0, atol=1e-5)
+
+
+def test_assemble_takes_the_advantages_at_lam_actor_and_the_critic_targets_at_lam_critic():
+    trainer = _critic_trainer("ppo.gamma=0.9", "ppo.lam_actor=0.5", "ppo.lam_critic=0.9")
+    batch = random_rollout([1., 0., 0., 1., 1., 1., 0., 1.])  # every row ended: no bootstrap
+    values, _ = _values_before_assemble(trainer, batch)
+    rewards = OutcomeReward()(batch)[0]
+    train, _ = trainer.assemble(batch, rewards, trainer.plan(batch, 0))
+    outcome, mask, ended = rewards.terms["outcome"].values, batch.response_mask, torch.zeros(8)
+    advantages, _ = _hand_gae(outcome, values, mask, ended, 0.9, 0.5)
+    _, returns = _hand_gae(outcome, values, mask, ended, 0.9, 0.9)
+    assert (_hand_gae(outcome, values, mask, ended, 0.9, 0.9)[0] - advantages).abs().max() > 0.05  # lambdas differ
+    torch.testing.assert_close(train.advantages, advantages, rtol=0, atol=1e-5)
+    torch.testing.assert_close(train.returns, returns, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "grpo"])
+def test_assemble_rescales_a_group_baseline_without_shifting_it(estimator):
+    # group 0 all right: no contrast, advantage 0; group 1 right, wrong, wrong, right. The baseline has
+    # centred each prompt already; a shift by the batch's token mean (responses differ in length) would
+    # push all of group 0's samples, and some of group 1's, one way
+    trainer = tiny_trainer(ppo_settings(f"ppo.advantage_estimator={estimator}", "ppo.kl_coef=0", "ppo.kl_loss_coef=0",
+                                        "ppo.whiten_advantages=true"))
+    batch = random_rollout([1., 1., 1., 1., 1., 0., 0., 1.])
+    train, metrics = trainer.assemble(batch, OutcomeReward()(batch)[0], trainer.plan(batch, 0))
+    mask = batch.response_mask
+    # rloo: right 1 - (1 + 0 + 0) / 3 = 2/3, wrong 0 - 2/3; grpo: (1 - 1/2) / std(1, 0, 0, 1) = 0.5 / 0.577,
+    # the wrong ones its negative (unbiased std sqrt(1/3)); at every token (gamma 1, one reward at the end)
+    contrast = 2 / 3 if estimator == "rloo" else 0.5 / (1 / 3) ** 0.5
+    raw = torch.tensor([0., 0., 0., 0., contrast, -contrast, -contrast, contrast])[:, None] * mask  # [8, T]
+    std = float(maths.masked_var(raw, mask).sqrt())
+    assert abs(float(maths.masked_mean(raw, mask))) > 0.05 * std  # a shift would show
+    torch.testing.assert_close(train.advantages, raw / std, rtol=0, atol=1e-5)
+    assert metrics["adv/task_scale"] == pytest.approx(1 / std, rel=1e-5)
+    assert torch.equal(train.advantages[:4], torch.zeros_like(train.advantages[:4]))  # the uniform group: 0
+    signs = torch.tensor([1., -1., -1., 1.])[:, None] * mask[4:]  # right samples up, wrong ones down
+    assert torch.equal(torch.sign(train.advantages[4:]), signs)
+
+
+# ----------------------------------------------------------------------------- update
 
 def test_a_hundredfold_value_loss_leaves_the_policy_step_unchanged():
     # One clip over critic + policy let the critic's (much larger) gradient scale the policy's step.
