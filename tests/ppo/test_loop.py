@@ -244,9 +244,25 @@ def test_logged_lr_is_the_one_each_group_stepped_with():
 
 
 def test_first_minibatch_ratio_is_one_under_lora_dropout():
+    # LoRA dropout acts on the adapter's input, so it changes nothing while B is 0: move B first
     policy = _policy(critic=False, dropout=0.5)
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(4)) * 0.5)
     trainer = _trainer(policy, _ppo())
-    metrics = trainer.update(_batch(trainer, policy), iteration=0)
+    batch = random_rollout([1., 0., 0., 1., 1., 1., 0., 1.])
+    rows = (batch.input_ids, batch.attention_mask, batch.position_ids, batch.response_ids, batch.response_mask,
+            batch.prompt_length, 1.0, 4096)
+    policy.train(True)  # as a caller may leave it: dropout on
+    with torch.no_grad():
+        first, second = policy.score(*rows).logprobs, policy.score(*rows).logprobs
+    assert (first - second).abs().max() > 1e-3  # dropout is live and moves the logprobs
+    # the no-grad pass (old logprobs) and the update must each turn dropout off themselves
+    plan = trainer.plan(batch, 0)
+    train, _ = trainer.assemble(batch, OutcomeReward()(batch)[0], plan)
+    policy.train(True)
+    metrics = trainer.update(train, iteration=0, plan=plan)
     assert metrics["ppo/first_minibatch_ratio_dev"] < 1e-6
 
 
