@@ -6,14 +6,16 @@ sweep ended, `sweep_result.json` with every job's status (`sweep.py`). A run out
 directory is its own entry, its command from `.hydra/overrides.yaml`. Wall time runs from the
 first job's start (`run_info.json` `started_at`) to the last job's end (`stage_result.json`
 `finished_at`); `job time` adds up each job's own span, so job time / wall time is how many jobs
-ran at once on average. Hardware is what the runs' `run_info.json` recorded.
+ran at once on average. Hardware and code are what the runs' `run_info.json` recorded: host, device,
+CPUs and CPU model; the git commit of the source (and whether it had uncommitted changes) and the
+versions of Python and the packages that decide the numbers.
 """
 
 from __future__ import annotations
 
 import shlex
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -21,6 +23,7 @@ from omegaconf import OmegaConf
 from prmppo.report.runs import ReportError, Run, read_json
 
 HYDRA_ADDED = ("hydra.mode=MULTIRUN", "hydra.mode=RUN")  # what Hydra adds to the recorded overrides itself
+CODE_PACKAGES = ("python", "torch", "transformers", "peft", "hydra-core")  # shown of `run_info.json` versions
 
 
 @dataclass
@@ -30,6 +33,7 @@ class Sweep:
     runs: list[Run]
     statuses: Counter  # status -> jobs, from sweep_result.json when the sweep wrote one, else from the runs
     recorded: bool  # whether sweep_result.json exists
+    infos: list[dict] = field(default_factory=list)  # each run's run_info.json ({} where it has none)
 
     def wall_seconds(self) -> float | None:
         """First start to last end, or None when a run lacks either time."""
@@ -43,8 +47,23 @@ class Sweep:
         return sum(r.finished_at - r.started_at for r in self.runs)
 
     def hardware(self) -> list[str]:
-        hosts = {(r.host.get("hostname"), r.host.get("device"), r.host.get("cpu_count")) for r in self.runs if r.host}
-        return [f"{name}: {device}, {cpus} CPUs" for name, device, cpus in sorted(hosts, key=str)]
+        hosts = {(i.get("hostname"), i.get("device"), i.get("cpu_count"), i.get("cpu_model")) for i in self.infos
+                 if "hostname" in i}
+        return [f"{name}: {device}, {cpus} CPUs" + (f" ({cpu})" if cpu else "")
+                for name, device, cpus, cpu in sorted(hosts, key=str)]
+
+    def code(self) -> list[str]:
+        """Each distinct code the runs ran: git commit (`+ uncommitted changes` when dirty) and package versions."""
+        seen = set()
+        for info in self.infos:
+            if "versions" not in info:  # run_info.json of a run made before it recorded the code
+                continue
+            commit = info["code"]
+            where = "not a git checkout" if commit is None else \
+                f"`{commit['commit'][:12]}`" + (" + uncommitted changes" if commit["dirty"] else "")
+            versions = ", ".join(f"{name} {info['versions'].get(name)}" for name in CODE_PACKAGES)
+            seen.add(f"{where}; {versions}")
+        return sorted(seen)
 
 
 def _command(overrides: list[str], multirun: bool) -> str:
@@ -82,7 +101,9 @@ def find_sweeps(runs: list[Run]) -> list[Sweep]:
             statuses = Counter(job.get("status", "?") for job in read_json(result_file).get("jobs", []))
         else:
             statuses = Counter(run.status for run in members)
-        sweeps.append(Sweep(path, command, members, statuses, result_file.exists()))
+        infos = [read_json(run.path / "run_info.json") if (run.path / "run_info.json").exists() else {}
+                 for run in members]
+        sweeps.append(Sweep(path, command, members, statuses, result_file.exists(), infos))
     return sweeps
 
 
@@ -94,7 +115,7 @@ def _duration(seconds: float | None) -> str:
 
 
 def sweeps_section(sweeps: list[Sweep]) -> list[str]:
-    """The markdown section: per sweep, the command, job statuses, wall time, summed job time and hardware."""
+    """The markdown section: per sweep, the command, job statuses, wall time, summed job time, hardware and code."""
     lines = ["## Sweeps: commands, runtimes, hardware", "",
              "Wall time: first job's start to last job's end (`run_info.json`, `stage_result.json`); job time: the "
              "jobs' own spans added up. `not recorded`: a run lacks those times (made before they were recorded)."]
@@ -105,4 +126,7 @@ def sweeps_section(sweeps: list[Sweep]) -> list[str]:
                   f"- jobs: {statuses} (from {source})",
                   f"- wall time: {_duration(sweep.wall_seconds())}; job time: {_duration(sweep.job_seconds())}",
                   f"- hardware: {'; '.join(sweep.hardware()) or 'not recorded'}"]
+        codes = sweep.code()
+        lines += [f"- code: {codes[0] if codes else 'not recorded'}"] if len(codes) < 2 else \
+            [f"- code, {len(codes)} versions:", *(f"  - {code}" for code in codes)]
     return lines
