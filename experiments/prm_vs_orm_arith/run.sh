@@ -8,7 +8,9 @@
 #   bash experiments/prm_vs_orm_arith/run.sh topology=gpu       # one GPU: tiny-model jobs share it
 # JOBS1 / JOBS2: jobs at a time in chain 1 / 2 (default 10 / 5); SEEDS (default 0,1,2,3,4); MULTIRUN: the sweeps'
 # parent dir (default multirun/$EXPERIMENT); EXPERIMENT (default prm_vs_orm_arith; prm_vs_orm_sparse runs the same four).
-# Then: python -m prmppo.report multirun/prm_vs_orm_arith --out experiments/prm_vs_orm_arith --name RESULTS.md
+# Then pack the runs and write the report from the archive (README.md has the --threshold of each study):
+#   python -m prmppo.report.archive multirun/$EXPERIMENT --out experiments/$EXPERIMENT/runs.tar.xz
+#   python -m prmppo.report experiments/$EXPERIMENT/runs.tar.xz --out experiments/$EXPERIMENT --name RESULTS.md --threshold T
 set -u
 JOBS1=${JOBS1:-10}
 JOBS2=${JOBS2:-5}
