@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
+import json
 import math
+import tarfile
+from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy import stats
 
-from prmppo.report.stats import (curve_area, holm, paired_difference, paired_t_power, prompt_seed_bootstrap,
-                                 prompt_seed_means, seeds_needed, tost)
+from prmppo.report.stats import (curve_area, holm, outcome_grid, paired_difference, paired_t_power,
+                                 prompt_seed_bootstrap, prompt_seed_means, seeds_needed, tost)
 
 
 def test_paired_difference_t_is_the_interval_of_the_per_seed_differences():
@@ -53,6 +56,28 @@ def test_prompt_seed_bootstrap_resamples_both_seeds_and_prompts():
     assert prompt_seed_bootstrap(a, b) == got  # rng_seed fixed: the same interval every time
     with pytest.raises(ValueError, match=r"same non-empty \[seeds, prompts\] grid"):
         prompt_seed_bootstrap([[1, 0]], [[1, 0, 1]])
+
+
+def test_outcome_grid_lines_up_eval_json_problems_by_id():
+    def row(pid, greedy, right):
+        return {"index": 0, "id": pid, "difficulty": {"operands": 3}, "greedy_correct": greedy, "correct_of_k": right,
+                "k": 4}
+
+    # seed 1 lists its problems in another order: the grid's columns follow the ids, not the positions
+    seeds, ids, grid = outcome_grid({1: [row("b", False, 1), row("a", True, 4)], 0: [row("a", False, 2),
+                                                                                      row("b", True, 3)]})
+    assert seeds == [0, 1] and ids == ["a", "b"] and grid.tolist() == [[0.0, 1.0], [1.0, 0.0]]
+    assert outcome_grid({0: [row("a", False, 2), row("b", True, 3)]}, "sampled")[2].tolist() == [[0.5, 0.75]]
+    with pytest.raises(ValueError, match="seed 1 evaluated other problems than seed 0"):
+        outcome_grid({0: [row("a", True, 1)], 1: [row("c", True, 1)]})
+    # from the fixture study's real eval.json files: 2 seeds x 8 test problems, ORM against learned PRM
+    with tarfile.open(Path(__file__).parent / "fixtures" / "smoke_study" / "runs.tar.xz") as tar:
+        final = {name: json.load(tar.extractfile(f"smoke/{name}/eval.json"))["ppo"]["problems"]
+                 for name in ("0_prm_seed0", "1_prm_seed1", "2_orm_seed0", "3_orm_seed1")}
+    _, prm_ids, prm = outcome_grid({0: final["0_prm_seed0"], 1: final["1_prm_seed1"]})
+    _, orm_ids, orm = outcome_grid({0: final["2_orm_seed0"], 1: final["3_orm_seed1"]})
+    assert prm.shape == (2, 8) and prm_ids == orm_ids  # the same test problems in every run
+    assert prompt_seed_bootstrap(prm, orm).mean == pytest.approx(prm.mean() - orm.mean())
 
 
 def test_tost_by_hand_with_closed_form_t_distributions():

@@ -7,8 +7,9 @@ seed's own effect), else Welch's interval with Welch-Satterthwaite degrees of fr
 
 For a pre-registered study (every formula is in its function's docstring):
   - `paired_difference`: a - b paired by seed, with a Student-t or a percentile-bootstrap interval;
-  - `prompt_seed_bootstrap`: a - b over a [seeds, prompts] grid of per-prompt outcomes, resampling
-    seeds and prompts independently (both arms see the same seeds and the same test prompts);
+  - `prompt_seed_bootstrap`: a - b over a [seeds, prompts] grid of per-prompt outcomes (`outcome_grid`
+    makes one from eval.json), resampling seeds and prompts independently (both arms see the same
+    seeds and the same test prompts);
   - `tost`: equivalence within +-margin by two one-sided t tests on paired differences;
   - `holm`: Holm-Bonferroni adjusted p values of a family of tests;
   - `curve_area`: the area under an accuracy-vs-iteration curve, normalised by its span;
@@ -126,6 +127,28 @@ def prompt_seed_means(diff: np.ndarray, n_resamples: int, rng: np.random.Generat
         np.add.at(counts, (np.arange(len(chunk))[:, None], chunk), 1.0)
         row_means[start:start + 1024] = counts @ diff.T / prompts
     return np.take_along_axis(row_means, rows, axis=1).mean(axis=1)  # [R]
+
+
+def outcome_grid(problems_by_seed: dict[int, list[dict]], outcome: str = "greedy") -> tuple[list[int], list[str],
+                                                                                         np.ndarray]:
+    """`(seeds, problem ids, grid [seeds, prompts])` from each seed's per-problem outcomes (eval.json's
+    `<policy>.problems`), seeds and problems in sorted order: `greedy` is the greedy verdict as 0/1, `sampled`
+    the fraction of the k samples that were right. Every seed must have evaluated the same problems."""
+    if outcome not in ("greedy", "sampled"):
+        raise ValueError(f"outcome must be 'greedy' or 'sampled', got {outcome!r}")
+    seeds = sorted(problems_by_seed)
+    by_id = {seed: {row["id"]: row for row in problems_by_seed[seed]} for seed in seeds}
+    ids = sorted(by_id[seeds[0]]) if seeds else []
+    for seed in seeds:
+        if sorted(by_id[seed]) != ids:
+            raise ValueError(f"seed {seed} evaluated other problems than seed {seeds[0]}: a prompt x seed grid "
+                             "needs the same test problems in every run")
+
+    def value(row: dict) -> float:
+        return float(row["greedy_correct"]) if outcome == "greedy" else row["correct_of_k"] / row["k"]
+
+    return seeds, ids, np.array([[value(by_id[seed][i]) for i in ids] for seed in seeds], dtype=float).reshape(
+        len(seeds), len(ids))
 
 
 def prompt_seed_bootstrap(a, b, level: float = LEVEL, n_resamples: int = 10_000, rng_seed: int = 0) -> Interval:
