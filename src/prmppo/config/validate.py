@@ -334,6 +334,21 @@ def _check_wandb(problems: list[str], logger: DictConfig) -> None:
 
 CRITIC_KEYS = ("value_lr", "vf_coef", "value_clip", "lam_actor", "lam_critic", "detach_value_hidden")
 BAND_MEASURE_KEYS = ("k", "low", "high", "problems", "temperature", "top_p", "max_new_tokens", "request_rows")
+CANARY_CHECK_KEYS = ("n_problems", "max_drop")  # read by the canary's checks, which canary.every=0 turns off
+TEST_EVAL_DURING_PPO_KEYS = ("during_ppo_problems", "during_ppo_k")  # eval.every=0 turns that evaluation off
+PRM_STAGES = ("ppo", "pipeline")  # the stages that train (or reuse) a PRM when the reward needs a learned one
+
+
+def _inert_prm_train(cfg: DictConfig, reward) -> list[str]:
+    """The `prm_train` keys of a run that trains no PRM: every one unless `stage=prm`, or `stage=ppo` /
+    `pipeline` with a reward that needs a learned PRM (`ensure_prm` trains or reuses it). Such a run
+    still reads `prm_train.chunk_rows` when its reward scores steps at all (the step scorer's rows per
+    forward), so it is left out for those."""
+    stage = cfg.stage.name
+    if stage == "prm" or (stage in PRM_STAGES and reward.needs_learned_prm):
+        return []
+    scores_steps = stage in PRM_STAGES and reward.needs_step_scorer
+    return [f"prm_train.{key}" for key in cfg.prm_train if not (scores_steps and key == "chunk_rows")]
 
 
 def inert_keys(cfg: DictConfig) -> list[str]:
@@ -341,19 +356,35 @@ def inert_keys(cfg: DictConfig) -> list[str]:
 
     The reward says which of its keys it ignores (`inert_keys`: `reward.eta` is only the `clip`
     transform's threshold, `reward.min_form_temperature` only `min_form`'s); the critic's keys only
-    for `ppo.advantage_estimator=gae` (rloo / grpo build no critic); a KL estimator only when its
-    coefficient is above 0; the band's measurement keys only when a band is measured (`stage=band` or
-    `band.enabled`). Recorded in `stage_result.json`, warned about when swept, and used by
-    `prmppo.report` so that such a key does not split a group.
+    for `ppo.advantage_estimator=gae` (rloo / grpo build no critic); `ppo.group_std_floor` only for
+    grpo; a KL estimator only when its coefficient is above 0; `lora.dropout` never (the no-grad
+    pass and the update both run with dropout off, ppo/loop.py, and the engines serve merged or
+    dropout-free adapters); the canary's check keys only when `canary.every` > 0, the test
+    evaluation's during-PPO keys only when `eval.every` > 0; `prm_train` only where a PRM is trained
+    (`_inert_prm_train`); vLLM's memory share only under `rollout=vllm`, the built-in engine's decode
+    loop only under `rollout=hf`; the band's measurement keys only when a band is measured
+    (`stage=band` or `band.enabled`). Recorded in `stage_result.json`, warned about when swept, and
+    used by `prmppo.report` so that such a key does not split a group.
     """
     ppo = cfg.ppo
-    inert = [f"reward.{key}" for key in build_quietly(cfg.reward, seed=cfg.seed).inert_keys]
+    reward = build_quietly(cfg.reward, seed=cfg.seed)
+    inert = [f"reward.{key}" for key in reward.inert_keys]
     if ppo.advantage_estimator != "gae":
         inert += [f"ppo.{key}" for key in CRITIC_KEYS]
+    if ppo.advantage_estimator != "grpo":
+        inert.append("ppo.group_std_floor")
     if ppo.kl_coef == 0:
         inert.append("ppo.kl_estimator")
     if ppo.kl_loss_coef == 0:
         inert.append("ppo.kl_loss_estimator")
+    if "dropout" in cfg.lora:  # lora=adapter; lora=none has no such key
+        inert.append("lora.dropout")
+    if cfg.canary.every == 0:
+        inert += [f"canary.{key}" for key in CANARY_CHECK_KEYS]
+    if cfg.eval.every == 0:
+        inert += [f"eval.{key}" for key in TEST_EVAL_DURING_PPO_KEYS]
+    inert += _inert_prm_train(cfg, reward)
+    inert.append("rollout.decode" if cfg.rollout.engine == "vllm" else "rollout.gpu_memory_utilization")
     if not (cfg.band.enabled or cfg.stage.name == "band"):
         inert += [f"band.{key}" for key in BAND_MEASURE_KEYS]
     return inert
