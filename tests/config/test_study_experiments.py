@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO, compose_config
 from prmppo.config.validate import validate_config
 
-STUDY = ("prm_vs_orm_arith", "prm_vs_orm_sparse", "prm_hacking")
+STUDY = ("prm_vs_orm_arith", "prm_vs_orm_sparse", "prm_hacking", "prm_vs_orm_flaw")
 
 
 def header_sweeps(experiment: str) -> list[list[str]]:
@@ -66,3 +66,13 @@ def test_the_sparse_testbed_and_the_hacking_study_change_what_they_say():
     transforms = {job[-1] for sweep in header_sweeps("prm_hacking") for job in combinations(sweep)
                   if job[-1].startswith("reward.transform=")}
     assert transforms == {"reward.transform=plain", "reward.transform=delta", "reward.transform=min_form"}
+
+
+def test_the_flaw_testbed_closes_the_temperature_channel_and_flaws_only_sft():
+    flaw = compose_config(["experiment=prm_vs_orm_flaw", "arm=orm"])
+    default = compose_config(["arm=orm"])
+    assert (default.task.sft_flaw, default.task.sft_flaw_rate) == ("none", 0.0)  # the embedded default: no flaw
+    assert flaw.task.sft_flaw == "carry" and flaw.task.sft_flaw_rate > 0.5  # the flawed step is the SFT's argmax
+    assert list(default.lora.modules_to_save) == ["model.norm"] and list(flaw.lora.modules_to_save) == []
+    assert flaw.eval.temperature == default.eval.temperature and flaw.ppo.kl_coef == default.ppo.kl_coef
+    assert flaw.task.sft == default.task.sft and list(flaw.task.rl.operators) == ["+"]
