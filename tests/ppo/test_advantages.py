@@ -266,3 +266,40 @@ def test_the_first_gae_update_clips_its_value_loss_around_what_the_head_predicts
     assert torch.allclose(train.old_values, head.return_mean * train.response_mask.bool(), atol=1e-5)
     metrics = trainer.update(train, iteration=0)
     assert metrics["value/clip_fraction"] == 0.0
+
+
+def test_grpo_gives_identical_samples_no_advantage_from_their_step_profile():
+    # identical samples whose steps score 0.9 then 0.99 (a profile, not a contrast), with jitter 1e-3:
+    # the std pooled over the group's events is ~0.05, under the floor, so the floor alone leaves
+    # advantages of (0.9 - 0.945) / 0.1 ~ -0.45 between the steps; same_tol makes the group uniform
+    profile = torch.zeros(8, 5)
+    profile[:, 1], profile[:4, 4], profile[4:, 3] = 0.9, 0.99, 0.99
+    profile += torch.tensor([0.0, 1e-3, -1e-3, 0.0, 0.0, 1e-3, 0.0, -1e-3])[:, None] * STEP_ENDS
+    terms = [(profile * STEP_ENDS, STEP_ENDS)]
+    floored = maths.group_baseline_advantages(terms, MASK, 4, 1.0, "grpo", std_floor=0.1)
+    same = maths.group_baseline_advantages(terms, MASK, 4, 1.0, "grpo", std_floor=0.1, same_tol=0.01)
+    assert floored.abs().max() > 0.3
+    assert torch.equal(same, torch.zeros(8, 5))
+    # a real contrast in one group stays: sample 4's second step scores 0.5
+    profile[4, 3] = 0.5
+    kept = maths.group_baseline_advantages([(profile * STEP_ENDS, STEP_ENDS)], MASK, 4, 1.0, "grpo", std_floor=0.1,
+                                           same_tol=0.01)
+    assert torch.equal(kept[:4], torch.zeros(4, 5)) and kept[4:].abs().max() > 0.5
+    with pytest.raises(ValueError, match="same_tol=-1"):
+        maths.group_baseline_advantages(terms, MASK, 4, 1.0, "grpo", same_tol=-1)
+
+
+def test_the_trainer_passes_the_same_tolerance_to_grpo():
+    # every row pays one step score at its first token, 0.7 up to jitter of 1e-3: no contrast anywhere
+    batch = _rollout([1.] * 8)
+    ends = torch.zeros_like(batch.response_mask, dtype=torch.bool)
+    ends[:, 0] = True
+    steps = (0.7 + torch.tensor([0.0, 1e-3, -1e-3, 0.0, 0.0, 1e-3, 0.0, -1e-3]))[:, None] * ends
+    rewards = RewardTerms({"process": RewardTerm(steps, ends)})
+    overrides = ("ppo.advantage_estimator=grpo", "ppo.kl_coef=0", "ppo.whiten_advantages=false",
+                 "ppo.group_std_floor=0")
+    train, _ = _trainer(_ppo(*overrides)).assemble(batch, rewards, _trainer(_ppo(*overrides)).plan(batch, 0))
+    assert torch.equal(train.advantages, torch.zeros_like(train.advantages))
+    off = _trainer(_ppo(*overrides, "ppo.group_same_tol=0"))
+    train, _ = off.assemble(batch, rewards, off.plan(batch, 0))
+    assert train.advantages.abs().max() > 0.5  # without it, jitter / its own std is a full-size advantage

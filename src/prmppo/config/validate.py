@@ -97,6 +97,8 @@ def _check_ppo(problems: list[str], ppo: DictConfig) -> None:
                         "(or ppo.kl_coef for a k1 KL in the reward)")
     _choice(problems, "ppo.loss_agg", ppo.loss_agg, LOSS_AGGS)
     _choice(problems, "ppo.advantage_estimator", ppo.advantage_estimator, ADVANTAGE_ESTIMATORS)
+    if not ppo.group_same_tol >= 0:
+        problems.append(f"ppo.group_same_tol={ppo.group_same_tol} must be >= 0 (reward units; 0 turns it off)")
     if not ppo.group_std_floor >= 0:
         problems.append(f"ppo.group_std_floor={ppo.group_std_floor} must be >= 0 (reward units; 0 turns it off)")
     if ppo.advantage_estimator != "gae" and ppo.n_samples_per_prompt < 2:
@@ -356,8 +358,8 @@ def inert_keys(cfg: DictConfig) -> list[str]:
 
     The reward says which of its keys it ignores (`inert_keys`: `reward.eta` is only the `clip`
     transform's threshold, `reward.min_form_temperature` only `min_form`'s); the critic's keys only
-    for `ppo.advantage_estimator=gae` (rloo / grpo build no critic); `ppo.group_std_floor` only for
-    grpo; a KL estimator only when its coefficient is above 0; `lora.dropout` never (the no-grad
+    for `ppo.advantage_estimator=gae` (rloo / grpo build no critic); `ppo.group_std_floor` and
+    `ppo.group_same_tol` only for grpo; a KL estimator only when its coefficient is above 0; `lora.dropout` never (the no-grad
     pass and the update both run with dropout off, ppo/loop.py, and the engines serve merged or
     dropout-free adapters); the canary's check keys only when `canary.every` > 0, the test
     evaluation's during-PPO keys only when `eval.every` > 0; `prm_train` only where a PRM is trained
@@ -372,7 +374,7 @@ def inert_keys(cfg: DictConfig) -> list[str]:
     if ppo.advantage_estimator != "gae":
         inert += [f"ppo.{key}" for key in CRITIC_KEYS]
     if ppo.advantage_estimator != "grpo":
-        inert.append("ppo.group_std_floor")
+        inert += ["ppo.group_std_floor", "ppo.group_same_tol"]
     if ppo.kl_coef == 0:
         inert.append("ppo.kl_estimator")
     if ppo.kl_loss_coef == 0:

@@ -53,7 +53,7 @@ class Advantages(NamedTuple):
 
 def compute(terms: list[tuple[Tensor, Tensor]], kl: Tensor, mask: Tensor, update_mask: Tensor, *,
             estimator: str, group_size: int, gamma: float, kl_coef: float, whiten: bool,
-            group_std_floor: float = 0.0, lam_actor: float = 1.0, lam_critic: float = 1.0,
+            group_std_floor: float = 0.0, group_same_tol: float = 0.0, lam_actor: float = 1.0, lam_critic: float = 1.0,
             values: Tensor | None = None, bootstrap: Tensor | None = None) -> Advantages:
     """The advantages of one batch under the rule in the module docstring.
 
@@ -70,7 +70,8 @@ def compute(terms: list[tuple[Tensor, Tensor]], kl: Tensor, mask: Tensor, update
         task_rewards = sum((v.to(values.dtype) for v, _ in terms), torch.zeros_like(values))  # [B, T]
         task, returns = maths.decoupled_gae(task_rewards, values, mask, gamma, lam_actor, lam_critic, bootstrap)
     else:
-        task = maths.group_baseline_advantages(terms, mask, group_size, gamma, estimator, group_std_floor)
+        task = maths.group_baseline_advantages(terms, mask, group_size, gamma, estimator, group_std_floor,
+                                                 group_same_tol)
         returns = torch.zeros_like(task)
     scale = 1.0
     if whiten:

@@ -298,6 +298,7 @@ class PPOTrainer:
         update_mask = mask * keep[:, None]  # [B, T] the update's mask: dropped rows carry nothing
         settings = dict(estimator=ppo.advantage_estimator, group_size=ppo.n_samples_per_prompt, gamma=ppo.gamma,
                         whiten=ppo.whiten_advantages, group_std_floor=ppo.group_std_floor,
+                        group_same_tol=ppo.group_same_tol,
                         lam_actor=ppo.lam_actor, lam_critic=ppo.lam_critic)
         if self.uses_critic:
             values = values * mask  # [B, T]

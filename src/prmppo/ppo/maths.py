@@ -170,7 +170,7 @@ GROUP_ESTIMATORS = ("rloo", "grpo")
 
 
 def group_baseline_advantages(terms, mask: Tensor, group_size: int, gamma: float, mode: str,
-                              std_floor: float = 0.0) -> Tensor:
+                              std_floor: float = 0.0, same_tol: float = 0.0) -> Tensor:
     """Critic-free advantages from the other samples of the same prompt; [B, T], 0 on padding.
 
     `terms` is a sequence of reward terms `(values [B, T], events [B, T] bool)`: the reward each
@@ -196,6 +196,10 @@ def group_baseline_advantages(terms, mask: Tensor, group_size: int, gamma: float
     tiny std: step scores that differ by numerical jitter between identical samples would otherwise
     become advantages as large as a real contrast. A group of 0/1 outcomes with at least one right
     and one wrong sample has std >= 1/sqrt(n) (n samples), so a floor below that never changes it.
+    `same_tol` (grpo, reward units, >= 0): a group whose samples pay this term at the same tokens with
+    values within `same_tol` of each other (identical samples, scored with numerical jitter) is
+    uniform: it gets no advantage from the term. Under grpo the std pooled over one response's steps
+    is small, so its step-to-step profile would otherwise become advantages that no sample contrasts.
     """
     if mode not in GROUP_ESTIMATORS:
         raise ValueError(f"mode={mode!r}: valid modes are {', '.join(map(repr, GROUP_ESTIMATORS))}")
@@ -203,6 +207,8 @@ def group_baseline_advantages(terms, mask: Tensor, group_size: int, gamma: float
         raise ValueError(f"group_size={group_size}: a group baseline needs at least 2 samples per prompt")
     if not std_floor >= 0.0:
         raise ValueError(f"std_floor={std_floor!r} is invalid; it must be >= 0")
+    if not same_tol >= 0.0:
+        raise ValueError(f"same_tol={same_tol!r} is invalid; it must be >= 0")
     if mask.shape[0] % group_size:
         raise ValueError(f"{mask.shape[0]} rows are not a whole number of groups of {group_size}")
     advantages = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)  # [B, T]
@@ -211,13 +217,14 @@ def group_baseline_advantages(terms, mask: Tensor, group_size: int, gamma: float
         values = values if values.is_floating_point() else values.float()
         # group statistics in float64: identical samples then centre to exactly 0 (in float32 the mean of
         # equal scores can differ from them by an ulp, which a later normalisation would magnify)
-        centred = _group_centred(values.double(), events.bool() & mask.bool(), group_size, mode, std_floor)
+        centred = _group_centred(values.double(), events.bool() & mask.bool(), group_size, mode, std_floor, same_tol)
         centred = centred.to(values.dtype)  # [B, T]
         advantages = advantages.to(centred.dtype) + returns_to_go(centred, mask, gamma)
     return advantages * mask.to(advantages.dtype)
 
 
-def _group_centred(values: Tensor, events: Tensor, group_size: int, mode: str, std_floor: float = 0.0) -> Tensor:
+def _group_centred(values: Tensor, events: Tensor, group_size: int, mode: str, std_floor: float = 0.0,
+                   same_tol: float = 0.0) -> Tensor:
     """Each event reward minus its group baseline (and over the group std for grpo); 0 off events."""
     ev = events.to(values.dtype)  # [B, T]
     grouped = lambda x: x.reshape(-1, group_size, *x.shape[1:])  # noqa: E731  [G, n, ...]
@@ -237,6 +244,11 @@ def _group_centred(values: Tensor, events: Tensor, group_size: int, mode: str, s
         var = grouped(dev.square().sum(-1)).sum(-1) / (n - 1).clamp(min=1)  # [G] unbiased, as torch.std
         std = var.sqrt().repeat_interleave(group_size)[:, None]  # [B, 1]
         centred = dev / (std + 1e-6).clamp(min=std_floor)
+        if same_tol > 0:  # samples that pay at the same tokens within same_tol of the first: no contrast
+            at = grouped(events)  # [G, n, T]
+            gap = grouped(torch.where(events, values, torch.zeros_like(values)))  # [G, n, T]
+            same = (at == at[:, :1]).all(-1).all(-1) & ((gap - gap[:, :1]).abs() <= same_tol).all(-1).all(-1)  # [G]
+            centred = centred * (~same).repeat_interleave(group_size)[:, None].to(centred.dtype)
     return torch.where(events, centred, torch.zeros_like(centred))
 
 
