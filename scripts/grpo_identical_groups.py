@@ -79,7 +79,7 @@ def main() -> None:
     tokenizer = load_tokenizer(sft_dir)
     policy = build(cfg.lora, "policy", base_model=load_model(sft_dir), detach_value_hidden=True, critic=False)
     spec = build(cfg.reward, "reward", seed=cfg.seed)
-    scorer = build_step_scorer(learned=spec.needs_learned_prm, task=task, tokenizer=tokenizer, model=policy.prm_host,
+    scorer = build_step_scorer(scorer=spec.scorer, task=task, tokenizer=tokenizer, model=policy.prm_host,
                                prm_dir=prm_dir, chunk_rows=cfg.prm_train.chunk_rows) if spec.needs_step_scorer else None
     reward = build(cfg.reward, "reward", seed=cfg.seed, step_scorer=scorer, task=task) if scorer else spec
     print(f"run {args.run_dir}: final policy {final}, PRM {prm_dir if spec.needs_learned_prm else '(none)'}")

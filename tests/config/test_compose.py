@@ -85,6 +85,7 @@ def test_arm_picks_reward_and_command_line_wins():
     assert compose_config(["arm=prm"]).reward._target_.endswith("ProcessReward")
     assert compose_config(["arm=orm"]).reward._target_.endswith("OutcomeReward")
     assert compose_config(["arm=prm", "reward=prm_oracle"]).reward.scorer == "oracle"
+    assert compose_config(["arm=prm", "reward=prm_likelihood_control"]).reward.scorer == "likelihood_control"
 
 
 @pytest.mark.parametrize("override,fragment", [
@@ -191,7 +192,7 @@ def test_math_shepherd_experiment_passes_its_gates_up_to_the_checkpoint(tmp_path
 
 def test_default_prm_and_ppo_length_are_the_12_minute_ones():
     cfg = compose_config()
-    assert (cfg.prm_train.head, cfg.prm_train.steps, cfg.prm_train.train_problems) == ("step_logprobs", 200, 3000)
+    assert (cfg.prm_train.head, cfg.prm_train.steps, cfg.prm_train.train_problems) == ("mode_gap", 200, 3000)
     assert cfg.ppo.iterations == 100
 
 

@@ -185,6 +185,8 @@ def test_step_scorer_gate_refuses_oracle_without_a_checker():
     with pytest.raises(GateError, match="reward.scorer=oracle .* task 'arith' has none"):
         check_step_scorer(task, ProcessReward(scorer="oracle"))
     assert check_step_scorer(task, OutcomeReward())["step_scores"].startswith("none")  # ORM needs no checker
+    # nor does the likelihood control, which reads the SFT model
+    assert check_step_scorer(task, ProcessReward(scorer="likelihood_control"))["step_scores"].startswith("the SFT")
 
 
 def test_trainable_modules_gate_checks_names_on_a_weightless_skeleton(tiny_dir):

@@ -48,7 +48,7 @@ def _policy_with_prm(tok, tmp_path, policy_type):
                             modules_to_save=["model.norm"])
     else:
         policy = policy_type(model, detach_value_hidden=True, critic=True)
-    build_step_scorer(learned=True, task=TASK, tokenizer=tok, model=policy.prm_host, prm_dir=tmp_path / "prm",
+    build_step_scorer(scorer="learned", task=TASK, tokenizer=tok, model=policy.prm_host, prm_dir=tmp_path / "prm",
                       chunk_rows=32)
     with torch.no_grad():  # the policy has moved away from the base: the reference must not follow
         for p in policy.policy_parameters():

@@ -131,9 +131,13 @@ def test_label_noise_state_is_empty_without_noise_and_must_fit(tok):
 def test_needs_learned_prm_and_missing_scorer(tok):
     assert ProcessReward(scorer="learned").needs_learned_prm is True
     assert ProcessReward(scorer="oracle").needs_learned_prm is False
+    # the likelihood control scores steps with the SFT model itself: no PRM stage, no checker
+    control = ProcessReward(scorer="likelihood_control")
+    assert (control.needs_step_scorer, control.needs_learned_prm, control.needs_step_checker) == (True, False, False)
+    assert ProcessReward(scorer="oracle").needs_step_checker is True
     with pytest.raises(RuntimeError, match="without a step scorer"):
         ProcessReward()(_hand_batch(tok))
-    with pytest.raises(ValueError, match="reward.scorer='exact' is not one of learned, oracle"):
+    with pytest.raises(ValueError, match="reward.scorer='exact' is not one of learned, oracle, likelihood_control"):
         ProcessReward(scorer="exact")
     with pytest.raises(ValueError, match="reward.label_noise=1.5"):
         ProcessReward(label_noise=1.5)

@@ -12,8 +12,8 @@ from prmppo.config.validate import ConfigError, validate_config
 from prmppo.models.prm import OracleStepScorer
 from prmppo.models.tiny import build_char_tokenizer
 from prmppo.rewards.steps import StepBoundaries
-from prmppo.stages.prm import (aggregate, best_of_n_eval, ensure_prm, first_error_f1, run, step_bce,
-                               step_level_eval)
+from prmppo.stages.prm import (_train_batch, aggregate, best_of_n_eval, ensure_prm, first_error_f1,
+                               reference_cache, run, step_bce, step_level_eval)
 from prmppo.models.prm_labels import make_step_labels
 from prmppo.tasks import ArithTask
 from prmppo.tasks.arith import make_problem
@@ -159,12 +159,50 @@ def test_step_level_eval_perfect_and_constant_scorers(tok):
     assert got["step_accuracy"] == pytest.approx(1 - 2 / got["labelled_steps"])
 
 
+def test_cached_reference_logprobs_give_the_log_ratio_heads_own_logits(tok):
+    """The stage computes the reference's (adapters off) logprobs of every example once, in chunks of other
+    widths than a training batch's; the head's logits from them equal those of a reference pass per batch."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from prmppo.models.prm import make_head, new_prm, prm_step_logits
+    from prmppo.models.prm_labels import StepExample
+    from prmppo.ppo.batch import pad_floats
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=128)).eval()
+    texts = [RIGHT, WRONG_2ND, "17+5=22\nAnswer: 22", "1+2=3"]
+    examples = []
+    for text in texts:
+        response = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        ends = [i for i, t in enumerate(response) if t == tok.convert_tokens_to_ids("\n")] + [len(response) - 1]
+        examples.append(StepExample(tok("17+5-23\n")["input_ids"], response, ends, [1.0] * len(ends)))
+    peft_model = new_prm(model, r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    with torch.no_grad():
+        for q in peft_model.parameters():
+            if q.requires_grad:
+                q.add_(0.1 * torch.randn(q.shape))  # the adapter has moved: the PRM's LM is not the reference
+    cache = reference_cache(peft_model, examples, tok.pad_token_id, torch.device("cpu"), rows=3)
+    assert [len(row) for row in cache] == [len(e.response_ids) for e in examples]
+    head = make_head("log_ratio", 32, tok)
+    picked = [3, 1, 0]
+    ids, att, pos, plen, _, mask = _train_batch([examples[i] for i in picked], tok.pad_token_id, torch.device("cpu"))
+    ref = pad_floats([cache[i] for i in picked], mask.shape[1])
+    with torch.no_grad():
+        cached = prm_step_logits(peft_model, head, ids, att, pos, plen, mask, ref)[mask]
+        fresh = prm_step_logits(peft_model, head, ids, att, pos, plen, mask)[mask]
+    assert torch.allclose(cached, fresh, atol=1e-4)
+    assert (fresh - fresh.mean()).abs().max() > 1e-2  # the steps differ: equal constants would pass anything
+
+
 def test_prm_train_keys_are_validated(smoke_cfg):
     cfg = smoke_cfg("prm_train.head=mlp", "prm_train.label_source=human", "prm_train.steps=0")
     with pytest.raises(ConfigError) as err:
         validate_config(cfg)
     message = str(err.value)
-    assert "prm_train.head='mlp' is not one of classifier, label_tokens, step_logprobs" in message
+    assert "prm_train.head='mlp' is not one of mode_gap, log_ratio, classifier, label_tokens, step_logprobs" in message
     assert "prm_train.label_source='human' is not one of checker, monte_carlo" in message
     assert "prm_train.steps=0 must be > 0" in message
     validate_config(smoke_cfg())  # the shipped smoke preset is valid

@@ -98,7 +98,11 @@ def test_pipeline_smoke_writes_eval_of_both_policies(smoke_cfg):
     assert again["sft"]["reused"] is True
 
 
-@pytest.mark.parametrize("reward, estimator", [("prm", "gae"), ("prm_oracle", "gae"), ("prm_oracle", "rloo")])
+SCORER_OF = {"prm": "learned", "prm_oracle": "oracle", "prm_likelihood_control": "likelihood_control"}
+
+
+@pytest.mark.parametrize("reward, estimator", [("prm", "gae"), ("prm_oracle", "gae"), ("prm_oracle", "rloo"),
+                                               ("prm_likelihood_control", "gae")])
 def test_prm_arm_smoke_runs_ppo_with_step_rewards(smoke_cfg, reward, estimator):
     cfg = smoke_cfg("stage=ppo", "arm=prm", f"reward={reward}", f"ppo.advantage_estimator={estimator}")
     summary = run(cfg)
@@ -108,8 +112,10 @@ def test_prm_arm_smoke_runs_ppo_with_step_rewards(smoke_cfg, reward, estimator):
         assert "hack/steps_per_response" in row and "reward/prm_mean" in row
         assert row["rollout/engine_logprob_abs_diff"] < 1e-4
     banner = json.loads((Path(cfg.run_dir) / "banner.json").read_text())
-    assert banner["arm"] == "prm" and banner["reward"]["scorer"] == ("oracle" if reward == "prm_oracle" else "learned")
+    assert banner["arm"] == "prm" and banner["reward"]["scorer"] == SCORER_OF[reward]
     assert summary["policy_steps"] == summary["planned_policy_steps"]
+    # only the learned PRM needs a PRM stage: the oracle and the likelihood control run without one
+    assert bool(list(Path(cfg.artifacts_dir).glob("prm-*"))) == (reward == "prm")
 
 
 def test_ppo_gate_refusal_stops_the_run_before_the_banner(smoke_cfg):

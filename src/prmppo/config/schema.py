@@ -129,7 +129,7 @@ class RewardConfig:
     wrong_reward: float = 0.0
     w_outcome: float = 1.0
     # threshold of the PRM's `clip` transform, min(s - eta, 0). Every reward has the key so one
-    # sweep can cross `arm=prm,orm` with `reward.eta=...`; only reward=prm/prm_oracle with
+    # sweep can cross `arm=prm,orm` with `reward.eta=...`; only a step-level reward with
     # transform=clip reads it (see `config.validate.inert_keys`; reports do not split groups on it)
     eta: float = 1.0
 
@@ -149,7 +149,8 @@ class ProcessRewardConfig(RewardConfig):
     min_form_temperature: float = 0.1
     # probability of flipping a step score (s -> 1 - s), to study reward hacking; in [0, 1]
     label_noise: float = 0.0
-    # step scores come from: learned | oracle (the task's exact step checker)
+    # step scores come from: learned (the trained PRM) | oracle (the task's exact step checker) |
+    # likelihood_control (no PRM: the untrained step_logprobs rule of the SFT model, adapters off)
     scorer: str = "learned"
 
 
@@ -412,11 +413,15 @@ class PRMTrainConfig:
     label_source: str = "checker"
     # monte_carlo only: hard (1 if any completion reaches the gold answer) | soft (the fraction)
     estimation: str = "hard"
-    # step_logprobs (an affine map of the lowest, mean and last logprob of the step's own tokens under
-    # the PRM-adapted LM) | classifier (linear on the step-end hidden state) | label_tokens (LM's
-    # p(good) vs p(bad)); models/prm.py. On the default task step_logprobs reaches held-out step
-    # accuracy 0.97-0.98 in 150-300 steps, where the classifier needs about 3000
-    head: str = "step_logprobs"
+    # mode_gap (an affine map of the gaps log pi_prm(token) - max_v log pi_sft(v) over the step's own
+    # tokens: the implicit PRM's log-ratio plus the SFT model's margin to its greedy token, so the SFT
+    # model's confidence in a greedy token never enters) | log_ratio (the log-ratio alone, the implicit
+    # PRM; too slow for the default budget) | classifier (linear on the step-end hidden state) |
+    # label_tokens (LM's p(good) vs p(bad)) | step_logprobs (a likelihood score: the lowest, mean and last
+    # logprob of the step's tokens under the PRM-adapted LM, starting as the SFT model's own; its scores
+    # largely restate the SFT model's confidence); models/prm.py. On the default task mode_gap and
+    # step_logprobs reach held-out step accuracy 0.97 in 200 steps, where the classifier needs about 3000
+    head: str = "mode_gap"
     # label_tokens only: single-token strings of the tokenizer for a right / wrong step
     good_token: str = "+"
     bad_token: str = "-"
@@ -429,8 +434,8 @@ class PRMTrainConfig:
     # optimizer steps (AdamW, warmup then cosine), responses per step, peak learning rate. With the
     # classifier head the tiny PRM sits on a plateau (every step "right") until it learns to check
     # arithmetic: on the default task 3000 x 256 leaves it (held-out step accuracy 0.97-0.98), 1000 x
-    # 256 only partly (0.89-0.93) and 300 x 256 not at all (0.77). The step_logprobs head starts off
-    # the plateau: 200 x 256 gives 0.97-0.98 on the default seed (benchmarks/RESULTS.md)
+    # 256 only partly (0.89-0.93) and 300 x 256 not at all (0.77). The mode_gap and step_logprobs heads
+    # start off the plateau: 200 x 256 gives 0.97 on the default seed (benchmarks/RESULTS.md)
     steps: int = 200
     batch_rows: int = 256
     lr: float = 3e-3

@@ -184,6 +184,8 @@ def check_step_scorer(task, reward) -> dict:
         return {"step_scores": "none (outcome reward only)"}
     if reward.needs_learned_prm:
         return {"step_scores": "learned PRM"}
+    if not reward.needs_step_checker:  # reward=prm_likelihood_control
+        return {"step_scores": "the SFT model's likelihood (untrained step_logprobs rule, no PRM)"}
     probe = task.problems("test")[0]
     if task.check_steps(probe, probe.solution) is None:
         raise GateError(f"reward.scorer=oracle (reward=prm_oracle) needs an exact step checker, but task "

@@ -5,15 +5,28 @@ the SFT checkpoint (`new_prm`: `get_peft_model(base, ..., adapter_name="prm")`);
 is loaded next to the `policy` adapter on the *same* PeftModel (`load_prm`), frozen, so no
 second copy of the backbone exists. Heads (`prm_train.head`):
 
+- `mode_gap` (the default): an affine map of the lowest, mean, last and summed gap
+                  log pi_prm(token) - max_v log pi_ref(v) over the step's own tokens, where pi_prm
+                  is the LM with the `prm` adapter and pi_ref the same backbone with adapters off
+                  (the SFT model): the implicit process reward's log-ratio log pi_prm / pi_ref (Yuan
+                  et al. 2024, "Free Process Rewards without Process Labels"; PRIME, Cui et al.
+                  2025) plus the SFT model's margin to its own greedy token. A token the SFT model
+                  would write greedily contributes 0 however confident it was, so the SFT model's
+                  likelihood of a step is not what the head starts from: it starts as "the step's
+                  tokens fall less than a factor e short of the SFT model's top choices", and the
+                  gradient reaches the adapter through the PRM's logprobs from the first step on;
+- `log_ratio`:    the same map over the log-ratio alone (the implicit PRM): every step starts at 0.5
+                  and it learns too slowly for the default budget;
 - `classifier`:   sigmoid(linear(h_t)) on the last hidden state h_t of each step-end token;
 - `label_tokens`: the LM's own next-token distribution at the step end, restricted to a "good"
                   and a "bad" token: p(good) / (p(good) + p(bad)) = sigmoid(logit_good -
                   logit_bad), as in Math-Shepherd (Wang et al. 2024, "Math-Shepherd: Verify and
                   Reinforce LLMs Step-by-step without Human Annotations");
-- `step_logprobs`: an affine map of how likely the PRM-adapted LM finds the step's own tokens:
-                  the lowest, the mean and the last token logprob of the step. The adapter is
-                  trained through them, so the PRM becomes an LM that gives a wrong step's tokens
-                  low probability; it starts as a `min logprob > -1` rule of the SFT model.
+- `step_logprobs`: a likelihood score: an affine map of how likely the PRM-adapted LM finds the
+                  step's own tokens (the lowest, the mean and the last token logprob of the step).
+                  It starts as a `min logprob > -1` rule of the SFT model and training barely moves
+                  it from there, so its scores largely restate the SFT model's confidence
+                  (benchmarks/RESULTS.md, "A PRM that is not the SFT model's likelihood").
 
 Every head returns a step *logit* (pre-sigmoid) at each response position (the caller reads the
 step ends), so training uses BCE-with-logits.
@@ -26,6 +39,9 @@ Step scorers (`StepScorer.score(batch) -> (scores [B, T], step_end_mask [B, T])`
   `set_adapter` also rewrites `requires_grad` of adapter weights, so every flag is snapshotted
   and restored: the policy stays exactly as trainable as it was and the PRM stays frozen.
 - `OracleStepScorer`: the task's exact step checker (`reward=prm_oracle`): 1.0 right, 0.0 wrong.
+- `LikelihoodControlScorer`: the untrained `step_logprobs` rule on the reference model (the policy's
+  backbone with adapters off, i.e. the SFT model), `reward=prm_likelihood_control`: a likelihood
+  bonus dressed as a PRM, to tell process supervision from a reward for likely steps.
 
 Saved layout (`save_prm`, safetensors only): `<dir>/prm/adapter_model.safetensors` (+ peft's
 adapter_config.json), `<dir>/prm_head.safetensors`, `<dir>/prm_meta.json`.
@@ -47,13 +63,13 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
 from prmppo.dist.shard import as_root_forward
-from prmppo.models.policy import _causal_lm, decoder_mask
+from prmppo.models.policy import _causal_lm, adapters_off, decoder_mask
 from prmppo.ppo.maths import logprobs_from_logits
 from prmppo.rewards.steps import StepBoundaries, align_step_labels
 from prmppo.rollout.hf_engine import find_adapter_dir
 
 PRM_ADAPTER = "prm"
-HEAD_TYPES = ("classifier", "label_tokens", "step_logprobs")
+HEAD_TYPES = ("mode_gap", "log_ratio", "classifier", "label_tokens", "step_logprobs")
 HEAD_FILE, META_FILE = "prm_head.safetensors", "prm_meta.json"
 
 
@@ -62,9 +78,10 @@ class StepInputs(NamedTuple):
 
     hidden: Tensor  # [b, T, H] last hidden state
     logits: Tensor | None  # [b, T, V] next-token logits (heads with reads="next_logits")
-    token_logprobs: Tensor | None  # [b, T] log p(token t | before it) (reads="token_logprobs"); 0 on padding
+    token_logprobs: Tensor | None  # [b, T] log p(token t | before it) (reads="token_logprobs"|"token_log_ratios")
     valid: Tensor  # [b, T] bool: a response token, not padding
-    step_ends: Tensor | None  # [b, T] bool (reads="token_logprobs")
+    step_ends: Tensor | None  # [b, T] bool (reads="token_logprobs"|"token_log_ratios")
+    reference_logprobs: Tensor | None = None  # [b, T] the same under the reference, adapters off ("token_log_ratios")
 
 
 class ClassifierHead(nn.Module):
@@ -97,22 +114,27 @@ class LabelTokenHead(nn.Module):
         return logits[..., self.good_token_id].float() - logits[..., self.bad_token_id].float()
 
 
-def step_logprob_stats(token_logprobs: Tensor, valid: Tensor, step_ends: Tensor) -> Tensor:
-    """[b, T, 3]: at each position, (lowest, mean, last) token logprob of the step it belongs to,
-    counted up to and including that step's end token. A step is the tokens after the previous step
-    end up to its own end; padding is left out. Only the values at step ends are complete."""
-    b, t = token_logprobs.shape
+def step_token_stats(values: Tensor, valid: Tensor, step_ends: Tensor) -> Tensor:
+    """[b, T, 4]: at each position, (lowest, mean, last, sum) of a per-token value [b, T] over the step it
+    belongs to, counted up to and including that step's end token. A step is the tokens after the previous
+    step end up to its own end; padding is left out. Only the values at step ends are complete."""
+    b, t = values.shape
     ends = step_ends & valid
     step = ends.long().cumsum(-1) - ends.long()  # [b, T] the index of each token's step
     slots = t + 1  # per row: steps 0..T-1, and slot T for padding
     flat = torch.where(valid, step, torch.full_like(step, t)) + slots * torch.arange(b, device=step.device)[:, None]
-    lp = token_logprobs.float().masked_fill(~valid, 0.0)
-    lowest = torch.zeros(b * slots, device=lp.device).scatter_reduce(0, flat.flatten(), lp.flatten(), "amin",
-                                                                      include_self=False)
-    total = torch.zeros(b * slots, device=lp.device).index_add(0, flat.flatten(), lp.flatten())
-    count = torch.zeros(b * slots, device=lp.device).index_add(0, flat.flatten(), valid.float().flatten())
+    v = values.float().masked_fill(~valid, 0.0)
+    lowest = torch.zeros(b * slots, device=v.device).scatter_reduce(0, flat.flatten(), v.flatten(), "amin",
+                                                                     include_self=False)
+    total = torch.zeros(b * slots, device=v.device).index_add(0, flat.flatten(), v.flatten())
+    count = torch.zeros(b * slots, device=v.device).index_add(0, flat.flatten(), valid.float().flatten())
     mean = total / count.clamp(min=1.0)
-    return torch.stack([lowest[flat], mean[flat], lp], -1)  # [b, T, 3]
+    return torch.stack([lowest[flat], mean[flat], v, total[flat]], -1)  # [b, T, 4]
+
+
+def step_logprob_stats(token_logprobs: Tensor, valid: Tensor, step_ends: Tensor) -> Tensor:
+    """[b, T, 3]: (lowest, mean, last) token logprob of each position's step (`step_token_stats`)."""
+    return step_token_stats(token_logprobs, valid, step_ends)[..., :3]
 
 
 class StepLogprobHead(nn.Module):
@@ -142,6 +164,59 @@ class StepLogprobHead(nn.Module):
         return self.scale * self.linear(stats).squeeze(-1)
 
 
+class _ReferenceGapHead(nn.Module):
+    """Step logit = SCALE * (w . (lowest, mean, last, sum of the step's token gaps) + b), a token's gap being
+    log pi_prm(token) - (a logprob of the reference at that position): the PRM-adapted LM against the same
+    backbone with adapters off (the SFT model). `reference` names which logprob of the reference: "token",
+    the written token's; "mode", the reference's most likely token's. SCALE plays the part of beta in the
+    implicit process reward beta * log(pi / pi_ref) (Yuan et al. 2024, "Free Process Rewards without Process
+    Labels"; Cui et al. 2025, "Process Reinforcement through Implicit Rewards"): a wrong step needs only a
+    small move of the adapter to score low. The gradient reaches the adapter through the PRM's logprobs; the
+    reference's are read under no_grad."""
+
+    reads = "token_log_ratios"
+    SCALE = 10.0
+    INIT = ((1.0, 0.0, 0.0, 0.0), 0.0)  # (w on (lowest, mean, last, sum), b)
+
+    def __init__(self, scale: float = SCALE):
+        super().__init__()
+        self.scale = scale
+        self.linear = nn.Linear(4, 1)
+        with torch.no_grad():
+            self.linear.weight.copy_(torch.tensor([self.INIT[0]]))
+            self.linear.bias.fill_(self.INIT[1])
+
+    def forward(self, inputs: StepInputs) -> Tensor:  # -> [b, T]
+        gaps = inputs.token_logprobs.float() - inputs.reference_logprobs.float()  # [b, T]
+        return self.scale * self.linear(step_token_stats(gaps, inputs.valid, inputs.step_ends)).squeeze(-1)
+
+
+class ModeGapHead(_ReferenceGapHead):
+    """Gap = log pi_prm(token) - max_v log pi_ref(v): the PRM's logprob of the written token against the SFT
+    model's logprob of its own most likely token there. It splits into the implicit process reward's
+    log-ratio log pi_prm(token) - log pi_ref(token) plus the SFT model's margin to its greedy choice,
+    log pi_ref(token) - max_v log pi_ref(v), which is 0 for a token the SFT model would write greedily,
+    however confident it was, and negative for any other.
+
+    Initialised to SCALE * (summed gap + 1): a step is right while its tokens together fall less than a
+    factor e short of the SFT model's top choices. The sum of a step's log-ratios is the implicit PRM's step
+    reward (Yuan et al. 2024); with the lowest gap instead the trained PRM ranked right steps by the SFT
+    model's confidence again (benchmarks/RESULTS.md). Every step the SFT model writes greedily starts at the
+    same score, sigmoid(SCALE); training moves the PRM's logprobs, e.g. down on the steps the SFT model
+    writes greedily but wrongly."""
+
+    kind, reference = "mode_gap", "mode"
+    INIT = ((0.0, 0.0, 0.0, 1.0), 1.0)
+
+
+class LogRatioHead(_ReferenceGapHead):
+    """Gap = log pi_prm(token) - log pi_ref(token), the implicit process reward's log-ratio alone. It is 0 for
+    every token until the adapter moves: every step starts at 0.5, and the SFT model's likelihood of a step
+    never enters. On the default task it learns too slowly for the stage's budget (benchmarks/RESULTS.md)."""
+
+    kind, reference = "log_ratio", "token"
+
+
 def label_token_id(tokenizer, text: str, key: str) -> int:
     """The single vocabulary id of `text`, or a ValueError naming the config key."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -153,6 +228,9 @@ def label_token_id(tokenizer, text: str, key: str) -> int:
 
 def make_head(head_type: str, hidden_size: int, tokenizer, good_token: str = "+", bad_token: str = "-",
               scale: float | None = None) -> nn.Module:
+    if head_type in ("mode_gap", "log_ratio"):
+        head = ModeGapHead if head_type == "mode_gap" else LogRatioHead
+        return head(head.SCALE if scale is None else scale)
     if head_type == "classifier":
         return ClassifierHead(hidden_size)
     if head_type == "label_tokens":
@@ -195,14 +273,9 @@ def adapter_active(peft_model, name: str):
         peft_model.train(was_training)
 
 
-def prm_step_logits(model, head: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
-                    prompt_length: int, step_ends: Tensor | None = None) -> Tensor:
-    """Step logits [b, T] at every response position (the caller picks the step ends).
-    `step_ends` [b, T] bool is needed by heads that read a whole step (`step_logprobs`)."""
-    t = input_ids.shape[1] - prompt_length
-    if head.reads == "token_logprobs" and step_ends is None:
-        raise ValueError(f"prm head {head.kind!r} reads whole steps: prm_step_logits needs step_ends")
-    keep = {"next_logits": t, "token_logprobs": t + 1}.get(head.reads)  # LM positions kept at the end
+def _lm_pass(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
+             keep: int | None) -> tuple[Tensor, Tensor | None]:
+    """(final hidden states [b, P + T, H], LM logits of the last `keep` positions [b, keep, V] or None)."""
     lm = _causal_lm(model)  # refused where the model's own forward would change its logits (softcapping, scaling)
 
     def run() -> tuple[Tensor, Tensor | None]:
@@ -213,15 +286,48 @@ def prm_step_logits(model, head: nn.Module, input_ids: Tensor, attention_mask: T
                                  position_ids=position_ids, use_cache=False).last_hidden_state  # [b, P + T, H] normed
         return final, None if keep is None else lm.get_output_embeddings()(final[:, -keep:])  # [b, keep, V]
 
-    final, lm_logits = as_root_forward(model, run) if isinstance(model, FSDPModule) else run()
+    return as_root_forward(model, run) if isinstance(model, FSDPModule) else run()
+
+
+@torch.no_grad()
+def reference_token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
+                             prompt_length: int, of: str = "token") -> Tensor:
+    """[b, T] under `model` with every adapter off (the SFT model): log p(response token t | before it) (`of`
+    "token"), or the logprob of the most likely token at that position (`of` "mode")."""
+    t = input_ids.shape[1] - prompt_length
+    with adapters_off(model):
+        _, lm_logits = _lm_pass(model, input_ids, attention_mask, position_ids, t + 1)
+    logits = lm_logits[:, :-1].float()  # [b, T, V]: position P - 1 + t predicts response token t
+    if of == "mode":
+        return logits.log_softmax(-1).max(-1).values
+    return logprobs_from_logits(logits, input_ids[:, prompt_length:])
+
+
+def prm_step_logits(model, head: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
+                    prompt_length: int, step_ends: Tensor | None = None,
+                    reference_logprobs: Tensor | None = None) -> Tensor:
+    """Step logits [b, T] at every response position (the caller picks the step ends).
+    `step_ends` [b, T] bool is needed by heads that read a whole step (`step_logprobs`, `log_ratio`).
+    `log_ratio` also reads the response's logprobs under the reference, `reference_logprobs` [b, T] when the
+    caller has them (the stage's training caches them), else computed here by `reference_token_logprobs`
+    (a second forward, no grad: the gradient reaches the adapter through the PRM's own pass)."""
+    t = input_ids.shape[1] - prompt_length
+    if head.reads in ("token_logprobs", "token_log_ratios") and step_ends is None:
+        raise ValueError(f"prm head {head.kind!r} reads whole steps: prm_step_logits needs step_ends")
+    keep = {"next_logits": t, "token_logprobs": t + 1, "token_log_ratios": t + 1}.get(head.reads)  # LM positions
+    final, lm_logits = _lm_pass(model, input_ids, attention_mask, position_ids, keep)
     hidden = final[:, prompt_length:]  # [b, T, H]: position P + t has read token t
     valid = attention_mask[:, prompt_length:].bool()  # [b, T]
     logits = lm_logits if head.reads == "next_logits" else None  # [b, T, V]
     token_logprobs = None
-    if head.reads == "token_logprobs":
+    if head.reads in ("token_logprobs", "token_log_ratios"):
         # position P - 1 + t predicts response token t
         token_logprobs = logprobs_from_logits(lm_logits[:, :-1], input_ids[:, prompt_length:])  # [b, T]
-    return head(StepInputs(hidden, logits, token_logprobs, valid, step_ends))
+    if head.reads == "token_log_ratios" and reference_logprobs is None:
+        reference_logprobs = reference_token_logprobs(model, input_ids, attention_mask, position_ids, prompt_length,
+                                                      head.reference)
+    return head(StepInputs(hidden, logits, token_logprobs, valid, step_ends,
+                           reference_logprobs if head.reads == "token_log_ratios" else None))
 
 
 class StepScorer(Protocol):
@@ -231,6 +337,18 @@ class StepScorer(Protocol):
 
     def score(self, batch) -> tuple[Tensor, Tensor]:
         """(scores [B, T] in [0, 1], zero off step ends; step_end_mask [B, T] bool)."""
+
+
+def _chunked_scores(model, head: nn.Module, batch, ends: Tensor, chunk_rows: int) -> Tensor:
+    """sigmoid(step logits) [B, T] of `head` on `model` as it is set up now, `chunk_rows` rows per forward,
+    zero off step ends."""
+    device = next(model.parameters()).device
+    chunks = []
+    for rows in torch.arange(len(ends)).split(chunk_rows):
+        ids, att, pos = (t[rows].to(device) for t in (batch.input_ids, batch.attention_mask, batch.position_ids))
+        logits = prm_step_logits(model, head, ids, att, pos, batch.prompt_length, ends[rows].to(device))
+        chunks.append(torch.sigmoid(logits).float().cpu())  # [b, T]
+    return torch.cat(chunks).to(ends.device) * ends  # [B, T]
 
 
 class LearnedStepScorer:
@@ -246,17 +364,38 @@ class LearnedStepScorer:
     @torch.no_grad()
     def score(self, batch) -> tuple[Tensor, Tensor]:
         ends = self.boundaries.mask(batch.response_ids, batch.response_mask)  # [B, T]
-        device = next(self.peft_model.parameters()).device
-        chunks = []
         with adapter_active(self.peft_model, PRM_ADAPTER):
-            for rows in torch.arange(len(ends)).split(self.chunk_rows):
-                ids, att, pos = (t[rows].to(device) for t in (batch.input_ids, batch.attention_mask,
-                                                              batch.position_ids))
-                logits = prm_step_logits(self.peft_model, self.head, ids, att, pos, batch.prompt_length,
-                                         ends[rows].to(device))
-                chunks.append(torch.sigmoid(logits).float().cpu())  # [b, T]
-        scores = torch.cat(chunks).to(ends.device) * ends  # [B, T]
-        return scores, ends
+            return _chunked_scores(self.peft_model, self.head, batch, ends, self.chunk_rows), ends
+
+
+class LikelihoodControlScorer:
+    """The untrained `step_logprobs` rule of the reference model as a PRM (`reward=prm_likelihood_control`):
+    sigmoid(SCALE * (lowest token logprob of the step + 1)), `StepLogprobHead` at its init, on `model` with
+    every adapter off (the policy's base under LoRA, the frozen copy under `lora=none`: the SFT model).
+
+    Nothing is trained and no PRM artifact exists: a step scores high when the SFT model found each of its
+    tokens likely. A PRM arm with this scorer receives a likelihood bonus shaped like process rewards, the
+    control that tells process supervision apart from a reward for steps the SFT model finds likely."""
+
+    def __init__(self, model: nn.Module, delimiter_ids: frozenset[int], eos_id: int, chunk_rows: int,
+                 blank_ids: frozenset[int] | None = None):
+        if chunk_rows <= 0:
+            raise ValueError(f"prm_train.chunk_rows={chunk_rows} must be > 0")
+        device = next(model.parameters()).device
+        self.model, self.chunk_rows = model, chunk_rows
+        self.head = StepLogprobHead().to(device).eval().requires_grad_(False)
+        self.boundaries = StepBoundaries(frozenset(delimiter_ids), frozenset(blank_ids or delimiter_ids), eos_id)
+
+    @torch.no_grad()
+    def score(self, batch) -> tuple[Tensor, Tensor]:
+        ends = self.boundaries.mask(batch.response_ids, batch.response_mask)  # [B, T]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with adapters_off(self.model):
+                return _chunked_scores(self.model, self.head, batch, ends, self.chunk_rows), ends
+        finally:
+            self.model.train(was_training)
 
 
 class OracleStepScorer:
@@ -326,14 +465,25 @@ def load_prm(prm_dir: str | Path, model: nn.Module, tokenizer) -> tuple[nn.Modul
     return peft_model, head.to(device).eval().requires_grad_(False)
 
 
-def build_step_scorer(*, learned: bool, task, tokenizer, model: nn.Module | None = None,
+SCORERS = ("learned", "oracle", "likelihood_control")
+
+
+def build_step_scorer(*, scorer: str, task, tokenizer, model: nn.Module | None = None,
                       prm_dir: str | Path | None = None, chunk_rows: int) -> StepScorer:
-    """A learned PRM (the artifact at `prm_dir`, loaded onto `model`, e.g. the policy's PeftModel) when
-    `learned`, else the task's exact step checker."""
+    """The step scorer `reward.scorer` names: `learned`, the PRM artifact at `prm_dir` loaded onto `model`
+    (e.g. the policy's PeftModel); `oracle`, the task's exact step checker; `likelihood_control`, the
+    untrained `step_logprobs` rule of `model` with its adapters off (the SFT model)."""
     boundaries = StepBoundaries.from_tokenizer(tokenizer, task.step_delimiter)
-    if not learned:
+    if scorer == "oracle":
         return OracleStepScorer(task, tokenizer, boundaries.delimiter_ids, boundaries.eos_token_id,
                                 boundaries.blank_ids)
+    if scorer == "likelihood_control":
+        if model is None:
+            raise ValueError("reward.scorer=likelihood_control needs the model whose base (adapters off) it reads")
+        return LikelihoodControlScorer(model, boundaries.delimiter_ids, boundaries.eos_token_id, chunk_rows,
+                                       boundaries.blank_ids)
+    if scorer != "learned":
+        raise ValueError(f"reward.scorer={scorer!r} is not one of {', '.join(SCORERS)}")
     if model is None or prm_dir is None:
         raise ValueError("a learned PRM scorer needs the PRM artifact dir (ensure_prm) and the model to load it on")
     peft_model, head = load_prm(prm_dir, model, tokenizer)

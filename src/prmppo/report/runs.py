@@ -51,7 +51,8 @@ class Run:
     rows: list[dict] = field(repr=False)
     error: str | None = None
     choices: dict[str, str] = field(default_factory=dict)  # config group -> option (`.hydra/hydra.yaml`)
-    reward_kind: str = "ORM"  # ORM | learned PRM | oracle PRM: asked of the run's reward (`reward_kind`)
+    # ORM | learned PRM | oracle PRM | likelihood control: asked of the run's reward (`reward_kind`)
+    reward_kind: str = "ORM"
     started_at: float | None = None  # unix seconds (`run_info.json`), None for runs made before it existed
     finished_at: float | None = None  # unix seconds (`stage_result.json`)
     host: dict = field(default_factory=dict)  # hostname, cpu_count, device (`run_info.json`)
@@ -97,12 +98,15 @@ def read_json(path: Path) -> dict:
 
 
 def reward_kind(config: DictConfig) -> str:
-    """`ORM` (no step scores), `learned PRM` (a trained PRM scores steps) or `oracle PRM` (the task's exact
-    step checker does), asked of the reward the run's config builds."""
+    """`ORM` (no step scores), `learned PRM` (a trained PRM scores steps), `oracle PRM` (the task's exact
+    step checker does) or `likelihood control` (the SFT model's untrained step_logprobs rule does), asked of
+    the reward the run's config builds."""
     reward = build_quietly(config.reward, seed=config.seed)
     if not reward.needs_step_scorer:
         return "ORM"
-    return "learned PRM" if reward.needs_learned_prm else "oracle PRM"
+    if reward.needs_learned_prm:
+        return "learned PRM"
+    return "oracle PRM" if reward.needs_step_checker else "likelihood control"
 
 
 def read_run(path: Path) -> Run:

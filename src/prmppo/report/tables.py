@@ -85,7 +85,7 @@ class GroupRow:
     runs: int
     values: dict[str, Estimate]  # measure name -> mean and 95% CI across seeds
     to_threshold: dict[int, int | None]
-    kind: str = ""  # ORM | learned PRM | oracle PRM
+    kind: str = ""  # ORM | learned PRM | oracle PRM | likelihood control
 
     @property
     def greedy(self) -> Estimate:

@@ -1,10 +1,13 @@
-"""`reward=prm` / `reward=prm_oracle`: step rewards from a PRM on step-end tokens, plus the outcome.
+"""`reward=prm` / `prm_oracle` / `prm_likelihood_control`: step rewards from a PRM on step-end tokens, plus
+the outcome.
 
 Same contract as `OutcomeReward` (`rewards/terms.py`): `reward(batch) -> (RewardTerms, metrics)`,
 with a `process` term (paid at step ends) and an `outcome` term (the last token), so the PPO loop
 does not know which arm it runs. For a batch of B responses:
 
-  1. score      the step scorer gives s [B, T] at step-end tokens (learned PRM or task checker);
+  1. score      the step scorer gives s [B, T] at step-end tokens (`reward.scorer`: the learned PRM, the
+                task's checker, or the likelihood control: the untrained `step_logprobs` rule of the SFT
+                model, models/prm.py `LikelihoodControlScorer`);
   2. noise      with `label_noise = p`, each step score flips s -> 1 - s with probability p
                 (to study reward hacking under a wrong PRM); the flips come from a generator of
                 their own, seeded from the run's `seed`, whose state PPO checkpoints carry;
@@ -38,12 +41,13 @@ import torch
 from torch import Tensor
 
 from prmppo.config.schema import ProcessRewardConfig
+from prmppo.models.prm import SCORERS
 from prmppo.rewards.orm import outcome_term
 from prmppo.rewards.steps import to_steps, to_tokens
 from prmppo.rewards.terms import RewardTerm, RewardTerms
 from prmppo.rewards.transforms import TRANSFORM_NAMES, apply_transform
 
-SCORER_KINDS = ("learned", "oracle")
+SCORER_KINDS = SCORERS  # learned | oracle | likelihood_control
 
 
 class ProcessReward:
@@ -82,8 +86,14 @@ class ProcessReward:
 
     @property
     def needs_learned_prm(self) -> bool:
-        """True when step scores come from a trained PRM (the runner must provide its artifact)."""
+        """True when step scores come from a trained PRM (the runner must provide its artifact); the oracle and
+        the likelihood control need no PRM stage."""
         return self.scorer == "learned"
+
+    @property
+    def needs_step_checker(self) -> bool:
+        """True when step scores come from the task's exact step checker (`scorer=oracle`)."""
+        return self.scorer == "oracle"
 
     @property
     def inert_keys(self) -> tuple[str, ...]:

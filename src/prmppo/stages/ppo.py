@@ -150,11 +150,12 @@ def needs_learned_prm(cfg: DictConfig) -> bool:
 
 def _reward(cfg: DictConfig, task, tokenizer, policy, prm_dir: Path | None):
     """The reward, built whole: a step-level reward gets its scorer (the learned PRM on the policy's
-    resident base, or the task's checker) and the task at construction."""
+    resident base, the task's checker, or the likelihood control on that base with adapters off) and the
+    task at construction."""
     spec = build(cfg.reward, "reward", seed=cfg.seed)
     if not spec.needs_step_scorer:
         return spec
-    scorer = build_step_scorer(learned=spec.needs_learned_prm, task=task, tokenizer=tokenizer,
+    scorer = build_step_scorer(scorer=spec.scorer, task=task, tokenizer=tokenizer,
                                model=policy.prm_host, prm_dir=prm_dir, chunk_rows=cfg.prm_train.chunk_rows)
     return build(cfg.reward, "reward", seed=cfg.seed, step_scorer=scorer, task=task)
 
