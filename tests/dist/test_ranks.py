@@ -52,3 +52,4 @@ def test_ranks_given_different_run_dirs_are_refused(tmp_path):
     for seen in _seen(tmp_path):
         assert "the ranks were given different run dirs" in seen["refused"]
         assert "hydra.run.dir=<dir>" in seen["refused"]
+        assert seen["group_left"] is False

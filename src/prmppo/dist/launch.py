@@ -100,6 +100,8 @@ def init_ranks(topology_name: str, train_device: str, run_dir: Path, environ=os.
     dirs = [None] * ranks.world_size
     dist.all_gather_object(dirs, str(Path(run_dir).resolve()))
     if len(set(dirs)) > 1:
+        dist.barrier()  # every rank has its answer before the group goes; a group left to exit time aborts gloo
+        dist.destroy_process_group()
         raise LaunchError(f"the ranks were given different run dirs ({', '.join(sorted(set(dirs)))}): give one "
                           "with hydra.run.dir=<dir> (Hydra's default is a timestamp, different in each process)")
     handler = logging.FileHandler(Path(run_dir) / f"rank{rank}.log")
