@@ -2,6 +2,9 @@
 
     python benchmarks/prm_likelihood.py --checkpoint artifacts/sft-<key> --prm artifacts/prm-<a> artifacts/prm-<b>
 
+Give every PRM to compare in one run (e.g. the `log_ratio` default, the `step_logprobs` head and the
+classifier, trained on the same SFT checkpoint): they score the same samples.
+
 A PRM arm is only a step-quality comparison with the ORM arm if the PRM's step scores say whether a
 step is right, not how confident the policy was when it wrote it: a reward for likely tokens is a
 second KL-to-SFT term (or a sharpening bonus) that the ORM arm does not get. This samples
@@ -12,7 +15,18 @@ each PRM, on the right steps and on the wrong ones:
 - the mean step score, and the fraction of right steps scored >= 0.5 and >= 0.9;
 - the Spearman rank correlation of the step score with the SFT model's lowest token logprob in the
   step (its confidence), over right steps only: near 0 means the PRM does not rank right steps by
-  likelihood; the same correlation for the SFT logprob itself is 1 by construction.
+  likelihood; the same correlation for the SFT logprob itself is 1 by construction;
+- the AUC of right against wrong steps (the probability that a random right step outscores a random
+  wrong one, ties counted half), beside the AUC of the SFT rule itself;
+- the accuracy (threshold 0.5) on the steps the untrained likelihood rule gets wrong: right steps
+  with an SFT token below p = 1/e and wrong steps without one (`min logprob > -1` decides). A PRM that
+  only restates the rule scores about 0 there;
+- the Pearson correlation of the PRM's step scores with the untrained rule's, over all labelled steps:
+  near 1 means the PRM's rewards are, to first order, the rule's (a likelihood bonus).
+
+The first row is that rule, `StepLogprobHead` at its init on the SFT model (the scores of
+`reward=prm_likelihood_control`); the second is the default `mode_gap` head at its init, before any
+training (the SFT model's greedy-agreement rule).
 
 Runs on the CPU in about a minute for the default task.
 """
@@ -24,7 +38,9 @@ import argparse
 import torch
 
 from prmppo.models.loading import load_model, load_tokenizer
-from prmppo.models.prm import LearnedStepScorer, load_prm, step_logprob_stats
+from prmppo.config.schema import PRMTrainConfig
+from prmppo.models.prm import (LearnedStepScorer, LikelihoodControlScorer, load_prm, make_head, new_prm,
+                               step_logprob_stats)
 from prmppo.models.prm_labels import PolicySampler, row_step_ends
 from prmppo.ppo.maths import logprobs_from_logits
 from prmppo.rewards.steps import StepBoundaries, align_step_labels
@@ -52,6 +68,15 @@ def rank(values: torch.Tensor) -> torch.Tensor:
         if tied.sum() > 1:
             ranks[tied] = ranks[tied].mean()
     return ranks
+
+
+def auc(right: torch.Tensor, wrong: torch.Tensor) -> float:
+    """P(a right step's score > a wrong step's), ties counted half: the Mann-Whitney U over both counts."""
+    ranks = rank(torch.cat([right, wrong]).double())
+    n_right, n_wrong = len(right), len(wrong)
+    if not n_right or not n_wrong:
+        return float("nan")
+    return float((ranks[:n_right].sum() + n_right - n_right * (n_right + 1) / 2) / (n_right * n_wrong))
 
 
 def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -97,21 +122,48 @@ def main() -> None:
                 break
     confidence = sft_step_confidence(model, rows, ends)
     right, wrong = labels == 1, labels == 0
-    print(f"{int(right.sum())} right and {int(wrong.sum())} wrong steps in {len(responses)} SFT samples")
-    print("| PRM | head | right: mean score | right >= 0.5 | right >= 0.9 | wrong: mean score | "
-          "Spearman(score, SFT lowest logprob), right steps |")
-    print("|---|---|---|---|---|---|---|")
-    print(f"| SFT lowest token logprob itself | - | - | - | - | - | "
-          f"{spearman(confidence[right], confidence[right]):.3f} |")
+    rule_errs = (right & (confidence <= -1.0)) | (wrong & (confidence > -1.0))  # [B, T] the untrained rule's misses
+    print(f"{int(right.sum())} right and {int(wrong.sum())} wrong steps in {len(responses)} SFT samples; the SFT "
+          f"lowest token logprob separates them with AUC {auc(confidence[right], confidence[wrong]):.4f}; the "
+          f"untrained rule (SFT min logprob > -1) misses {int(rule_errs.sum())} of them")
+    print("| PRM | head | right: mean score | right >= 0.5 | right >= 0.9 | wrong: mean score | AUC right vs wrong | "
+          "accuracy where the rule errs | Spearman(score, SFT lowest logprob), right steps | "
+          "Pearson(score, rule's score), labelled steps |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    control = LikelihoodControlScorer(model, boundaries.delimiter_ids, boundaries.eos_token_id, 64,
+                                      boundaries.blank_ids)
+    rule = control.score(rows)[0]  # [B, T]
+    print(_row("untrained rule on the SFT model (reward=prm_likelihood_control)", "step_logprobs at init",
+               rule, labels, confidence, rule_errs, rule), flush=True)
+    untrained = new_prm(load_model(args.checkpoint, "float32", torch.device("cpu")), r=PRMTrainConfig.r,
+                        alpha=PRMTrainConfig.alpha, target_modules=list(PRMTrainConfig().target_modules))
+    greedy = LearnedStepScorer(untrained, make_head("mode_gap", 0, tokenizer), boundaries.delimiter_ids,
+                               boundaries.eos_token_id, 64, boundaries.blank_ids)
+    print(_row("untrained mode_gap head on the SFT model", "mode_gap at init", greedy.score(rows)[0], labels,
+               confidence, rule_errs, rule), flush=True)
     for prm_dir in args.prm:
         peft_model, head = load_prm(prm_dir, load_model(args.checkpoint, "float32", torch.device("cpu")), tokenizer)
         scorer = LearnedStepScorer(peft_model, head, boundaries.delimiter_ids, boundaries.eos_token_id, 64,
                                    boundaries.blank_ids)
-        scores, _ = scorer.score(rows)
-        s_right, s_wrong = scores[right], scores[wrong]
-        print(f"| {prm_dir} | {head.kind} | {s_right.mean():.3f} | {(s_right >= 0.5).float().mean():.3f} | "
-              f"{(s_right >= 0.9).float().mean():.3f} | {s_wrong.mean():.3f} | "
-              f"{spearman(s_right, confidence[right]):.3f} |", flush=True)
+        print(_row(prm_dir, head.kind, scorer.score(rows)[0], labels, confidence, rule_errs, rule), flush=True)
+
+
+def pearson(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double() - a.double().mean(), b.double() - b.double().mean()
+    denominator = (a.norm() * b.norm()).item()
+    return float((a * b).sum() / denominator) if denominator > 0 else float("nan")
+
+
+def _row(name: str, kind: str, scores: torch.Tensor, labels: torch.Tensor, confidence: torch.Tensor,
+         rule_errs: torch.Tensor, rule: torch.Tensor) -> str:
+    """One table row: scores [B, T] against labels [B, T] (1 right, 0 wrong, -1 unlabelled) and the rule's [B, T]."""
+    right, wrong = labels == 1, labels == 0
+    s_right, s_wrong = scores[right], scores[wrong]
+    hits = ((scores >= 0.5) == right)[rule_errs]
+    return (f"| {name} | {kind} | {s_right.mean():.3f} | {(s_right >= 0.5).float().mean():.3f} | "
+            f"{(s_right >= 0.9).float().mean():.3f} | {s_wrong.mean():.3f} | {auc(s_right, s_wrong):.4f} | "
+            f"{hits.float().mean():.3f} | {spearman(s_right, confidence[right]):.3f} | "
+            f"{pearson(scores[right | wrong], rule[right | wrong]):.3f} |")
 
 
 if __name__ == "__main__":
