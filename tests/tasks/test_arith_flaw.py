@@ -14,7 +14,7 @@ import pytest
 from prmppo.config.schema import ArithTaskConfig
 from prmppo.guards.gates import verifier_receipt
 from prmppo.tasks import ArithTask
-from prmppo.tasks.arith import apply_operator, carries, carry_flawed_chain, carry_steps, make_problem
+from prmppo.tasks.chains import apply_operator, carries, carry_flawed_chain, carry_steps, make_problem
 
 SMALL = dict(sft_size=2000, train_size=300, test_size=100)
 RATE = 0.7

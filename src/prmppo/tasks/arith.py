@@ -9,7 +9,7 @@ spaces and evaluated strictly left to right with no precedence:
     answer    "-2"
 
 Each solution line applies the next operator to the previous result, so the k-th line is
-checkable on its own. Tokens are characters and the format is deliberately terse, because the
+checkable on its own (the chain arithmetic itself: `tasks/chains.py`). Tokens are characters and the format is deliberately terse, because the
 default policy is a tiny character-level model trained from scratch on a laptop CPU.
 
 Difficulty knobs (operand count, value range, operators) are set separately for the `sft`
@@ -48,9 +48,9 @@ from dataclasses import dataclass
 
 from prmppo.config.schema import ArithTaskConfig
 from prmppo.tasks.base import SPLITS, Problem
+from prmppo.tasks.chains import (ANSWER_PREFIX, SUPPORTED_OPERATORS, apply_operator, carry_flawed_chain, carry_steps,
+                                 chain_values, make_problem, parse_question, render_solution)
 
-
-SUPPORTED_OPERATORS = ("+", "-", "*")
 SFT_FLAWS = ("none", "carry")
 DIFFICULTY_KEYS = ("min_operands", "max_operands", "min_value", "max_value", "operators")
 
@@ -60,8 +60,6 @@ _STEP_RE = re.compile(r"(-?\d+)([+\-*])(\d+)=(-?\d+)")
 _ANSWER_LINE_RE = re.compile(r"Answer:\s*(-?\d+)")
 # After the last "Answer:" marker: optional spaces, an integer, then only spaces to line end.
 _ANSWER_TAIL_RE = re.compile(r"[ \t]*(-?\d+)[ \t]*(?:\r?\n|$)")
-_QUESTION_RE = re.compile(r"\d+(?:[+\-*]\d+)+")
-_ANSWER_PREFIX = "Answer: "
 
 
 @dataclass(frozen=True)
@@ -136,88 +134,6 @@ def parse_difficulty(key: str, spec: Mapping | None) -> Difficulty:
     if bad:
         raise ValueError(f"task.{key}.operators has unsupported {bad}; valid ones are {SUPPORTED_OPERATORS}")
     return Difficulty(operators=tuple(operators), **ints)
-
-
-def apply_operator(left: int, operator: str, right: int) -> int:
-    """`left operator right` on Python ints (exact; never evaluates text)."""
-    if operator == "+":
-        return left + right
-    if operator == "-":
-        return left - right
-    if operator == "*":
-        return left * right
-    raise ValueError(f"unsupported operator {operator!r}; valid operators are {SUPPORTED_OPERATORS}")
-
-
-def parse_question(question: str) -> tuple[list[int], list[str]]:
-    """Operands and operators of a chain question such as "17+5-23*2"."""
-    if not _QUESTION_RE.fullmatch(question):
-        raise ValueError(f"not an arith question (expected e.g. '17+5-23*2'): {question!r}")
-    operands = [int(tok) for tok in re.findall(r"\d+", question)]
-    operators = re.findall(r"[+\-*]", question)
-    return operands, operators
-
-
-def chain_values(operands: Sequence[int], operators: Sequence[str]) -> list[int]:
-    """Running values after each operator, left to right: [v1, ..., v_n_ops]."""
-    values, running = [], operands[0]
-    for operator, operand in zip(operators, operands[1:]):
-        running = apply_operator(running, operator, operand)
-        values.append(running)
-    return values
-
-
-def carries(left: int, operator: str, right: int) -> bool:
-    """True for an addition whose units digits carry: `left` >= 0 and left % 10 + right % 10 >= 10.
-
-    A negative `left` (a running value below zero) plus a non-negative operand is a subtraction in
-    column arithmetic, so it never counts as a carry.
-    """
-    return operator == "+" and left >= 0 and left % 10 + right % 10 >= 10
-
-
-def carry_steps(operands: Sequence[int], operators: Sequence[str]) -> int:
-    """How many steps of the true chain carry (`carries`), the steps the `carry` SFT flaw can hit."""
-    lefts = [operands[0]] + chain_values(operands, operators)[:-1]
-    return sum(carries(left, op, right) for left, op, right in zip(lefts, operators, operands[1:]))
-
-
-def carry_flawed_chain(
-    operands: Sequence[int], operators: Sequence[str], rate: float, rng: random.Random
-) -> tuple[list[int], tuple[int, ...]]:
-    """(written results, 0-based steps written without their carry) of a solver that drops each carry
-    with probability `rate`: a step that carries from the *written* previous value draws once from
-    `rng`, and every later step starts from the written value."""
-    results, flawed, previous = [], [], operands[0]
-    for k, (operator, operand) in enumerate(zip(operators, operands[1:])):
-        result = apply_operator(previous, operator, operand)
-        if carries(previous, operator, operand) and rng.random() < rate:
-            result -= 10
-            flawed.append(k)
-        results.append(result)
-        previous = result
-    return results, tuple(flawed)
-
-
-def _render_solution(
-    operands: Sequence[int], operators: Sequence[str], results: Sequence[int], answer: int
-) -> str:
-    """Steps "a op b = c" where each a is the previous written result, then the answer line."""
-    lines, previous = [], operands[0]
-    for operator, operand, result in zip(operators, operands[1:], results):
-        lines.append(f"{previous}{operator}{operand}={result}")
-        previous = result
-    lines.append(f"{_ANSWER_PREFIX}{answer}")
-    return "\n".join(lines)
-
-
-def make_problem(operands: Sequence[int], operators: Sequence[str]) -> Problem:
-    """The problem for one chain, with its gold worked solution."""
-    question = "".join(f"{op}{x}" for op, x in zip(("",) + tuple(operators), operands))
-    results = chain_values(operands, operators)
-    solution = _render_solution(operands, operators, results, results[-1])
-    meta = {"operands": tuple(operands), "operators": tuple(operators)}
-    return Problem(question=question, solution=solution, answer=str(results[-1]), meta=meta)
 
 
 class ArithTask:
@@ -297,7 +213,7 @@ class ArithTask:
             # one stream per solution: its draws do not depend on any other solution's carries
             rng = random.Random(f"{self.seed}-sft-flaw-{index}")
             results, steps = carry_flawed_chain(operands, operators, self.sft_flaw_rate, rng)
-            solution = _render_solution(operands, operators, results, results[-1])
+            solution = render_solution(operands, operators, results, results[-1])
             flawed.append(Problem(problem.question, solution, problem.answer, {**problem.meta, "flawed_steps": steps}))
         return flawed
 
@@ -417,9 +333,9 @@ class ArithTask:
         for offset in offsets:
             results = self._chain_from(gold, operands, operators, position, gold[position] + offset)
             if results[-1] != gold[-1]:
-                return _render_solution(operands, operators, results, results[-1])
+                return render_solution(operands, operators, results, results[-1])
         results = self._chain_from(gold, operands, operators, position, gold[position] + offsets[0])
-        return _render_solution(operands, operators, results, gold[-1] + offsets[0])
+        return render_solution(operands, operators, results, gold[-1] + offsets[0])
 
     @staticmethod
     def _chain_from(
@@ -436,4 +352,4 @@ class ArithTask:
         A fixed set keeps one vocabulary across difficulty settings, so a checkpoint trained on
         one configuration can be used with another.
         """
-        return "".join(sorted(set("0123456789+-*=\n" + _ANSWER_PREFIX)))
+        return "".join(sorted(set("0123456789+-*=\n" + ANSWER_PREFIX)))
