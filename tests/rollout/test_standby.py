@@ -136,6 +136,10 @@ def test_the_model_type_is_read_without_transformers(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     assert standby.model_type(compose_config(["model=hf", f"model.path={tmp_path}"]).model) == "qwen2"
     assert standby.model_type(compose_config(["model=hf", f"model.path={tmp_path / 'none'}"]).model) == ""
+    assert standby.model_type(compose_config(["model=hf"]).model) == ""  # model.path not given yet (`???`)
+    other = compose_config(["model=hf", f"model.path={tmp_path}"]).model
+    other._target_ = "prmppo.models.loading.SomeOtherSource"  # a source with no known layout: nothing read
+    assert standby.model_type(other) == ""
 
 
 def test_the_entry_point_imports_no_torch_before_the_config_is_composed():

@@ -25,6 +25,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
+from prmppo.config.schema import HFModelConfig, TinyModelConfig
 from prmppo.rollout.process import resolve_python, worker_env, worker_import_dir
 
 STANDBY_ENGINES = ("hf",)
@@ -77,13 +80,15 @@ TINY_MODEL_TYPE = "mistral"  # what `model=tiny` builds (models/tiny.py: Mistral
 
 def model_type(model_cfg) -> str:
     """The transformers `model_type` of the model a config names, read without importing transformers:
-    `model=tiny` builds a Mistral; `model=hf` names a directory whose config.json says; "" when unknown
-    (the standby then imports less, nothing else changes)."""
-    target = str(model_cfg.get("_target_", ""))
-    if target.endswith(".TinyModelSource"):
+    `model=tiny` builds a Mistral; `model=hf` names a directory whose config.json says; "" for any other
+    model source, a path not given yet or an unreadable directory (the standby then imports less, nothing
+    else changes; validation names a missing path)."""
+    if model_cfg._target_ == TinyModelConfig._target_:
         return TINY_MODEL_TYPE
+    if model_cfg._target_ != HFModelConfig._target_ or OmegaConf.is_missing(model_cfg, "path"):
+        return ""
     try:
-        return str(json.loads((Path(str(model_cfg.get("path"))) / "config.json").read_text())["model_type"])
+        return str(json.loads((Path(model_cfg.path) / "config.json").read_text())["model_type"])
     except (OSError, ValueError, KeyError, TypeError):
         return ""
 
