@@ -14,7 +14,8 @@ from hydra.core.global_hydra import GlobalHydra
 
 from conftest import CONF_DIR, compose_config, run_prmppo
 from prmppo.config.store import register_schemas
-from prmppo.config.validate import inert_keys, validate_config
+from prmppo.config.validate import inert_keys
+from prmppo.validate import validate_config
 from prmppo.sweep import objective_value, override_keys, warn_inert_overrides
 
 ISSUE_SWEEP = {"arm": ["prm", "orm"], "reward.eta": ["0.5", "1.0"], "ppo.kl_coef": ["0.01", "0.04"],

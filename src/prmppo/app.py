@@ -1,7 +1,8 @@
 """`run(cfg)`: the whole application behind `python -m prmppo`, callable without Hydra.
 
 Order of work, cheapest first, so a bad launch fails in milliseconds:
-  1. validate the composed config (`config/validate.py`): ranges and cross-field arithmetic;
+  1. validate the composed config (`validate.py`): ranges and cross-field arithmetic (`config/validate.py`),
+     each choice against the list of the module that implements it;
   2. check every `_target_` against the allowed module prefixes (`config/build.py`);
   3. check the launch against the topology (`dist/launch.py`: `topology=fsdp` under torchrun with
      WORLD_SIZE == topology.train_world_size, any other topology on one process);
@@ -19,7 +20,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 from transformers.utils import logging as hf_logging
 
-from prmppo.config.validate import validate_config
+from prmppo.validate import validate_config
 from prmppo.dist.launch import check_launch
 from prmppo.stages import STAGES
 from prmppo.logger import laps

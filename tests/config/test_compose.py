@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from conftest import REPO, compose_config
 from prmppo.config.build import check_targets
-from prmppo.config.validate import ConfigError, validate_config
+from prmppo.validate import ConfigError, validate_config
 
 # groups a user picks (debug_model is picked by conf/config.yaml from the debug and model choices)
 GROUPS = sorted(p.name for p in (REPO / "conf").iterdir() if p.is_dir() and p.name != "debug_model")
@@ -134,6 +134,13 @@ def test_schema_rejects_at_compose_time(override, fragment):
     (["ppo.micro_batch_tokens=-5"], ["ppo.micro_batch_tokens=-5", "> 0"]),
     (["ppo.advantage_estimator=rloo", "ppo.value_warmup_iterations=2"],
      ["ppo.value_warmup_iterations=2 warms up a critic", "uses none"]),
+    # choice keys: the valid values are the implementing module's table (stages, model loading, rollout worker,
+    # PRM heads, the arith chains)
+    (["stage.name=train"], ["stage.name='train'", "sft, prm, band, ppo, eval, pipeline"]),
+    (["model.dtype=int8"], ["model.dtype='int8'", "float32, bfloat16, float16"]),
+    (["rollout.engine=sglang"], ["rollout.engine='sglang'", "hf, vllm"]),
+    (["prm_train.head=bogus"], ["prm_train.head='bogus'", "mode_gap, log_ratio, classifier"]),
+    (["task.rl.operators=['/']"], ["task.rl.operators=['/'] must be a non-empty subset of ['+', '-', '*']"]),
 ])
 
 def test_cross_field_rejections_name_keys_and_arithmetic(overrides, fragments):

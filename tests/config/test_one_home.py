@@ -8,10 +8,11 @@ import inspect
 import pytest
 
 from prmppo.config.schema import (ArithTaskConfig, GSM8KTaskConfig, HFModelConfig, LoraAdapterConfig,
-                                  OutcomeRewardConfig, ProcessRewardConfig, RolloutConfig, TinyModelConfig)
+                                  OutcomeRewardConfig, PPOConfig, ProcessRewardConfig, RolloutConfig, TinyModelConfig)
 from prmppo.models.loading import HFDirSource
 from prmppo.models.policy import LoraPolicy
 from prmppo.models.tiny import TinyModelSource
+from prmppo.ppo import advantages
 from prmppo.rewards.orm import OutcomeReward
 from prmppo.rewards.prm import ProcessReward
 from prmppo.rollout.client import RolloutClient
@@ -50,3 +51,10 @@ def test_rollout_client_has_no_timeout_defaults():
     parameters = inspect.signature(RolloutClient).parameters
     for key in ("startup_timeout_s", "request_timeout_s", "heartbeat_timeout_s"):
         assert parameters[key].default is inspect.Parameter.empty and hasattr(RolloutConfig, key)
+
+
+def test_the_advantage_rule_has_no_defaults_for_grpo_settings():
+    # the loop passes ppo.group_std_floor and ppo.group_same_tol; a keyword default would be a second home
+    parameters = inspect.signature(advantages.compute).parameters
+    for key in ("group_std_floor", "group_same_tol"):
+        assert parameters[key].default is inspect.Parameter.empty and hasattr(PPOConfig, key)

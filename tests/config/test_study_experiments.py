@@ -9,7 +9,7 @@ import itertools
 import pytest
 
 from conftest import REPO, compose_config
-from prmppo.config.validate import validate_config
+from prmppo.validate import validate_config
 
 STUDY = ("prm_vs_orm_arith", "prm_vs_orm_sparse", "prm_hacking", "prm_vs_orm_flaw")
 

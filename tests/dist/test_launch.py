@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, compose_config
-from prmppo.config.validate import validate_config
+from prmppo.validate import validate_config
 from prmppo.dist.launch import LaunchError, check_launch
 from prmppo.errors import EXIT_REFUSED, ConfigError
 

@@ -9,7 +9,8 @@ import pytest
 
 from prmppo.app import run
 from prmppo.config import validate
-from prmppo.config.validate import ConfigError, validate_config, wandb_key_configured
+from prmppo.config.validate import wandb_key_configured
+from prmppo.validate import ConfigError, validate_config
 from prmppo.logger import MetricsLogger
 from prmppo.logger.wandb_sink import WandbSink
 from wandb_records import read_offline_run

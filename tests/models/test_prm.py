@@ -9,9 +9,9 @@ import torch
 from transformers import MistralConfig, MistralForCausalLM
 
 from prmppo.models.policy import FullPolicy, LoraPolicy
-from prmppo.models.prm import (PRM_ADAPTER, LearnedStepScorer, LikelihoodControlScorer, OracleStepScorer, StepInputs,
-                               build_step_scorer, label_token_id, load_prm, make_head, new_prm, prm_step_logits,
-                               save_prm)
+from prmppo.models.prm import (PRM_ADAPTER, LearnedStepScorer, LikelihoodControlScorer, OracleStepScorer,
+                               build_step_scorer, load_prm, make_head, new_prm, prm_step_logits, save_prm)
+from prmppo.models.prm_heads import StepInputs, label_token_id
 from prmppo.models.tiny import build_char_tokenizer
 from prmppo.rewards.steps import StepBoundaries
 from prmppo.stages.prm import ScoreRows
@@ -419,7 +419,7 @@ def test_prm_scoring_leaves_no_forward_hooks_on_the_shared_model(tok, kind):
     makes transformers install output-capturing forward hooks on its modules, which stay; dynamo then breaks
     each of the policy's compiled decoder layers at them (`ppo.compile`). The logits must not change: they
     equal those of the model's own forward with its hidden states, bit for bit."""
-    from prmppo.ppo.maths import logprobs_from_logits
+    from prmppo.models.token_scores import logprobs_from_logits
 
     peft_model = new_prm(_model(tok), r=4, alpha=8, target_modules=TARGETS)
     _perturb([p for p in peft_model.parameters() if p.requires_grad])  # log_ratio: a ratio that is not 0

@@ -1,15 +1,18 @@
 """The chunked logprob path (`policy.score`, `reference_score`, models/token_scores.py) against the
 full-logit path it replaces: same logprobs, entropies, values and gradients in float32, with LoRA on a
-tied embedding and with full fine-tuning; gradient checkpointing changes no gradient."""
+tied embedding and with full fine-tuning; gradient checkpointing changes no gradient. And the full-logit
+helpers themselves (`logprobs_from_logits`, `entropy_from_logits`) against hand-worked values."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from prmppo.models.policy import FullPolicy, LoraPolicy
-from prmppo.models.token_scores import token_scores
+from prmppo.models.token_scores import entropy_from_logits, logprobs_from_logits, token_scores
 from prmppo.ppo import maths
 from prmppo.ppo.batch import collate
 
@@ -50,7 +53,7 @@ def _rows():
 def _full_logit_scores(logits, response_ids, plen):
     """The path being replaced: the [B, T, V] logits, upcast, tempered, log-softmaxed whole."""
     scaled = logits[:, plen - 1:plen - 1 + response_ids.shape[1]].float() / TEMPERATURE  # [B, T, V]
-    return maths.logprobs_from_logits(scaled, response_ids), maths.entropy_from_logits(scaled)
+    return logprobs_from_logits(scaled, response_ids), entropy_from_logits(scaled)
 
 
 @pytest.mark.parametrize("kind, tied, arch", [("lora", True, "mistral"), ("lora", False, "qwen2"),
@@ -149,3 +152,53 @@ def test_a_logged_only_entropy_has_no_graph_and_the_same_values():
     assert with_grad.entropy.requires_grad and not logged.entropy.requires_grad
     assert logged.logprobs.requires_grad
     torch.testing.assert_close(logged.entropy, with_grad.entropy.detach(), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------ logprobs and entropies from full logits
+
+def t(rows):
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def close(actual, expected, atol=1e-6):
+    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float64),
+                               torch.as_tensor(expected, dtype=torch.float64),
+                               atol=atol, rtol=0)
+
+
+def test_entropy_of_uniform_logits_is_log_vocab():
+    close(entropy_from_logits(torch.zeros(2, 3, 7, dtype=torch.float64)),
+          torch.full((2, 3), math.log(7)))
+
+
+def test_entropy_with_masked_vocab_and_against_definition():
+    logits = t([[[0.0, 0.0, 0.0, float("-inf")]]]).requires_grad_()
+    entropy = entropy_from_logits(logits)
+    close(entropy, [[math.log(3)]])  # uniform over the 3 finite entries
+    entropy.sum().backward()
+    assert torch.isfinite(logits.grad).all()
+    torch.manual_seed(2)
+    raw = torch.randn(2, 3, 5, dtype=torch.float64) * 4 + 1000  # large offset: must be stable
+    p = torch.softmax(raw, -1)
+    close(entropy_from_logits(raw), -(p * torch.log(p)).sum(-1), atol=1e-9)
+
+
+def test_logprobs_from_logits_matches_log_softmax_gather():
+    torch.manual_seed(3)
+    logits = torch.randn(2, 4, 6, dtype=torch.float64) + 500.0
+    tokens = torch.randint(0, 6, (2, 4))
+    expected = torch.empty(2, 4, dtype=torch.float64)
+    for b in range(2):
+        for i in range(4):
+            expected[b, i] = torch.log_softmax(logits[b, i], -1)[tokens[b, i]]
+    close(logprobs_from_logits(logits, tokens), expected, atol=1e-9)
+    # 2 logits [0, ln 3]: p(token 1) = 3 / 4
+    close(logprobs_from_logits(t([[[0.0, math.log(3)]]]), torch.tensor([[1]])), [[math.log(0.75)]])
+    with pytest.raises(ValueError, match="tokens shape"):
+        logprobs_from_logits(logits, tokens[:, :3])
+
+
+def test_logprobs_from_logits_upcasts_bf16():
+    out = logprobs_from_logits(torch.zeros(1, 2, 4, dtype=torch.bfloat16), torch.tensor([[0, 3]]))
+    assert out.dtype == torch.float32
+    close(out, [[math.log(0.25)] * 2])

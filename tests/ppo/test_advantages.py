@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from prmppo.ppo import advantages as rule
-from prmppo.ppo import maths
+from prmppo.ppo import estimators, maths
 from prmppo.ppo.loop import PPOTrainer
 from prmppo.rewards.kl import kl_estimate
 from prmppo.rewards.orm import OutcomeReward
@@ -44,9 +44,10 @@ def _prm(outcome: list[float], seed: int = 1) -> list[tuple[torch.Tensor, torch.
     return [*_orm(outcome), (scores, STEP_ENDS)]
 
 
-def _compute(terms, kl, estimator="rloo", kl_coef=0.05, whiten=True, **kw):
+def _compute(terms, kl, estimator="rloo", kl_coef=0.05, whiten=True, group_std_floor=0.0, group_same_tol=0.0, **kw):
+    """`rule.compute` on the 2 x 4 batch above; grpo's floor and tolerance off unless a test sets them."""
     return rule.compute(terms, kl, MASK, MASK, estimator=estimator, group_size=4, gamma=1.0, kl_coef=kl_coef,
-                        whiten=whiten, **kw)
+                        whiten=whiten, group_std_floor=group_std_floor, group_same_tol=group_same_tol, **kw)
 
 
 def _effective(terms, kl, estimator="rloo", kl_coef=0.05, **kw):
@@ -79,9 +80,9 @@ def test_a_kl_normalised_with_the_task_advantages_shows_in_the_measured_weight()
     outcome = [1., 0., 0., 1., 1., 1., 0., 1.]
     kl = _kl()
     terms = _orm(outcome)
-    summed = (maths.group_baseline_advantages(terms, MASK, 4, 1.0, "rloo")
-              + maths.returns_to_go(-0.05 * kl, MASK, 1.0))
-    no_kl = maths.group_baseline_advantages(terms, MASK, 4, 1.0, "rloo")
+    summed = (estimators.group_baseline_advantages(terms, MASK, 4, 1.0, "rloo")
+              + estimators.returns_to_go(-0.05 * kl, MASK, 1.0))
+    no_kl = estimators.group_baseline_advantages(terms, MASK, 4, 1.0, "rloo")
     measured = rule.effective_kl_coef(maths.masked_rescale(summed, MASK), maths.masked_rescale(no_kl, MASK), kl,
                                       MASK, 1.0)
     assert measured > 0.05 * 1.5
@@ -99,7 +100,7 @@ def test_an_all_uniform_batch_moves_by_the_kl_pull_alone(estimator, arm):
     kl = _kl()
     out = _compute(terms, kl, estimator)
     # the KL return-to-go at weight 0.05, not scaled (the old rule multiplied the ORM arm's by x379 here)
-    expected = maths.returns_to_go(-0.05 * kl, MASK, 1.0)
+    expected = estimators.returns_to_go(-0.05 * kl, MASK, 1.0)
     assert torch.allclose(out.advantages, expected, atol=1e-7)
 
 
@@ -120,7 +121,7 @@ def test_the_kl_stays_out_of_grpo_statistics():
     outcome = [1., 0., 0., 0., 1., 1., 1., 1.]
     kl = _kl()
     out = _compute(_orm(outcome), kl, "grpo", kl_coef=0.2, whiten=False)
-    task = out.advantages - maths.returns_to_go(-0.2 * kl, MASK, 1.0)
+    task = out.advantages - estimators.returns_to_go(-0.2 * kl, MASK, 1.0)
     assert torch.allclose(task[0], torch.full((5,), 1.5), atol=1e-5)
     assert torch.allclose(task[1], torch.full((5,), -0.5), atol=1e-5)
     assert torch.allclose(task[4:], torch.zeros(4, 5), atol=1e-6)
@@ -134,7 +135,7 @@ def test_gae_critic_learns_the_task_return_and_the_kl_pull_joins_after_whitening
     out = _compute(_orm(outcome), kl, "gae", kl_coef=0.3, values=values, bootstrap=torch.zeros(8))
     task = torch.tensor(outcome)[:, None] * MASK  # [8, 5]
     assert torch.allclose(out.returns, task)  # no KL in the critic's targets
-    expected = maths.masked_whiten(task, MASK) + maths.returns_to_go(-0.3 * kl, MASK, 1.0)
+    expected = maths.masked_whiten(task, MASK) + estimators.returns_to_go(-0.3 * kl, MASK, 1.0)
     assert torch.allclose(out.advantages, expected * MASK, atol=1e-6)
 
 
@@ -143,9 +144,9 @@ def test_the_update_mask_sets_the_normalisation_and_zeroes_the_dropped_rows():
     update = MASK.clone()
     update[:4] = 0  # the uniform group is dropped
     out = rule.compute(_prm(outcome), _kl(), MASK, update, estimator="rloo", group_size=4, gamma=1.0,
-                       kl_coef=0.05, whiten=True)
+                       kl_coef=0.05, whiten=True, group_std_floor=0.0, group_same_tol=0.0)
     assert torch.equal(out.advantages[:4], torch.zeros(4, 5))
-    task = out.advantages - maths.returns_to_go(-0.05 * _kl(), MASK, 1.0) * update
+    task = out.advantages - estimators.returns_to_go(-0.05 * _kl(), MASK, 1.0) * update
     assert float(maths.masked_var(task, update)) == pytest.approx(1.0, abs=1e-5)
 
 
@@ -156,19 +157,19 @@ def test_grpo_std_floor_keeps_jitter_small_and_leaves_outcome_groups_alone():
     # step's deviation is divided by a std of ~5e-5 and becomes as large as a real contrast
     jitter = torch.tensor([0.0, 1e-4, -1e-4, 0.0, 0.0, 1e-4, -1e-4, 0.0])
     steps = (0.8 + jitter)[:, None] * STEP_ENDS
-    bare = maths.group_baseline_advantages([(steps, STEP_ENDS)], MASK, 4, 1.0, "grpo")
-    floored = maths.group_baseline_advantages([(steps, STEP_ENDS)], MASK, 4, 1.0, "grpo", std_floor=0.1)
+    bare = estimators.group_baseline_advantages([(steps, STEP_ENDS)], MASK, 4, 1.0, "grpo")
+    floored = estimators.group_baseline_advantages([(steps, STEP_ENDS)], MASK, 4, 1.0, "grpo", std_floor=0.1)
     assert bare.abs().max() > 0.5
     assert floored.abs().max() < 1e-4 * 2 / 0.1 + 1e-6
     # a 0/1 outcome group with both kinds of sample has std >= 1/sqrt(4): the floor changes nothing
     outcome = _orm([1., 0., 0., 0., 1., 1., 0., 0.])
-    assert torch.equal(maths.group_baseline_advantages(outcome, MASK, 4, 1.0, "grpo", std_floor=0.1),
-                       maths.group_baseline_advantages(outcome, MASK, 4, 1.0, "grpo"))
+    assert torch.equal(estimators.group_baseline_advantages(outcome, MASK, 4, 1.0, "grpo", std_floor=0.1),
+                       estimators.group_baseline_advantages(outcome, MASK, 4, 1.0, "grpo"))
 
 
 def test_grpo_std_floor_refuses_a_negative_value():
     with pytest.raises(ValueError, match="std_floor=-0.1"):
-        maths.group_baseline_advantages(_orm([1.] * 8), MASK, 4, 1.0, "grpo", std_floor=-0.1)
+        estimators.group_baseline_advantages(_orm([1.] * 8), MASK, 4, 1.0, "grpo", std_floor=-0.1)
 
 
 def test_the_trainer_passes_the_std_floor_to_grpo():
@@ -220,7 +221,7 @@ def test_assemble_on_an_all_uniform_batch_gives_the_kl_pull_alone(estimator):
     batch = _rollout([1., 1., 1., 1., 0., 0., 0., 0.])
     train, metrics = trainer.assemble(batch, OutcomeReward()(batch)[0], trainer.plan(batch, 0))
     kl = kl_estimate(train.old_logprobs, train.ref_logprobs, "k1") * train.response_mask
-    expected = maths.returns_to_go(-0.05 * kl, train.response_mask, 1.0)
+    expected = estimators.returns_to_go(-0.05 * kl, train.response_mask, 1.0)
     assert float(kl.abs().sum()) > 0.1
     assert torch.allclose(train.advantages, expected, atol=1e-6)
 
@@ -276,17 +277,17 @@ def test_grpo_gives_identical_samples_no_advantage_from_their_step_profile():
     profile[:, 1], profile[:4, 4], profile[4:, 3] = 0.9, 0.99, 0.99
     profile += torch.tensor([0.0, 1e-3, -1e-3, 0.0, 0.0, 1e-3, 0.0, -1e-3])[:, None] * STEP_ENDS
     terms = [(profile * STEP_ENDS, STEP_ENDS)]
-    floored = maths.group_baseline_advantages(terms, MASK, 4, 1.0, "grpo", std_floor=0.1)
-    same = maths.group_baseline_advantages(terms, MASK, 4, 1.0, "grpo", std_floor=0.1, same_tol=0.01)
+    floored = estimators.group_baseline_advantages(terms, MASK, 4, 1.0, "grpo", std_floor=0.1)
+    same = estimators.group_baseline_advantages(terms, MASK, 4, 1.0, "grpo", std_floor=0.1, same_tol=0.01)
     assert floored.abs().max() > 0.3
     assert torch.equal(same, torch.zeros(8, 5))
     # a real contrast in one group stays: sample 4's second step scores 0.5
     profile[4, 3] = 0.5
-    kept = maths.group_baseline_advantages([(profile * STEP_ENDS, STEP_ENDS)], MASK, 4, 1.0, "grpo", std_floor=0.1,
+    kept = estimators.group_baseline_advantages([(profile * STEP_ENDS, STEP_ENDS)], MASK, 4, 1.0, "grpo", std_floor=0.1,
                                            same_tol=0.01)
     assert torch.equal(kept[:4], torch.zeros(4, 5)) and kept[4:].abs().max() > 0.5
     with pytest.raises(ValueError, match="same_tol=-1"):
-        maths.group_baseline_advantages(terms, MASK, 4, 1.0, "grpo", same_tol=-1)
+        estimators.group_baseline_advantages(terms, MASK, 4, 1.0, "grpo", same_tol=-1)
 
 
 def test_the_trainer_passes_the_same_tolerance_to_grpo():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import compose_config
-from prmppo.config.validate import ConfigError, validate_config
+from prmppo.validate import ConfigError, validate_config
 from prmppo.ppo import maths
 from prmppo.rewards.orm import OutcomeReward
 from prmppo.rewards.terms import RewardTerm, RewardTerms

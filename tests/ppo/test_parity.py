@@ -26,7 +26,8 @@ import math
 import pytest
 import torch
 
-from prmppo.ppo.maths import gae, policy_loss, value_loss
+from prmppo.ppo.estimators import gae
+from prmppo.ppo.maths import policy_loss, value_loss
 from prmppo.rewards.kl import kl_estimate, kl_penalty_rewards
 
 

@@ -15,7 +15,7 @@ from conftest import RIGHT_SOMETIMES, compose_config, tiny_mistral
 from prmppo import artifacts
 from prmppo.app import run
 from prmppo.config.build import build
-from prmppo.config.validate import ConfigError, validate_config
+from prmppo.validate import ConfigError, validate_config
 from prmppo.errors import DataError, DataFileMissing, PrmppoError
 from prmppo.models.policy import LoraPolicy
 from prmppo.models.tiny import build_char_tokenizer

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from prmppo.config.validate import ConfigError, validate_config
+from prmppo.validate import ConfigError, validate_config
 from prmppo.models.prm import OracleStepScorer
 from prmppo.models.tiny import build_char_tokenizer
 from prmppo.rewards.steps import StepBoundaries

@@ -1,9 +1,15 @@
-"""Cross-field config validation: the first and cheapest launch gate.
+"""The config checks that need only the config: value ranges and arithmetic between keys.
 
-Types and unknown keys are caught by the schemas when Hydra composes; this module checks what
-a schema cannot: value ranges and arithmetic between keys. Every problem is collected and
-reported in one `ConfigError` whose message names the keys, the values, and what would be
-valid. It runs on the composed config before any model, tokenizer or dataset is built.
+Types and unknown keys are caught by the schemas when Hydra composes; the checks here catch what
+a schema cannot: ranges, divisibility, keys that contradict each other, keys left `???`. Each
+appends one sentence per problem to a list, naming the keys, the values, and what would be valid.
+`prmppo.validate.validate_config` runs them, with the checks that ask the code (the choices each
+component implements, what the configured classes can do), and raises one `ConfigError` listing
+every problem, before any model, tokenizer or dataset is built.
+
+Also here, because a run asks them of its config later: `inert_keys` (the keys this run never
+reads) and `wandb_key_configured`. This package imports nothing from the rest of prmppo but its
+error family: the components import their defaults from `config/schema.py`, never the reverse.
 """
 
 from __future__ import annotations
@@ -14,30 +20,10 @@ import os
 from pathlib import Path
 from urllib.parse import urlparse
 
-from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
-from prmppo.config.build import build_quietly, check_targets
+from prmppo.config.build import build_quietly
 from prmppo.errors import ConfigError
-from prmppo.models.prm import HEAD_TYPES as PRM_HEADS
-from prmppo.models.prm_labels import ESTIMATIONS, LABEL_SOURCES
-from prmppo.ppo.maths import AGG_MODES as LOSS_AGGS, GROUP_ESTIMATORS
-from prmppo.ppo.optim import AUTOCAST_MODES
-from prmppo.ppo.sync import SYNC_MODES
-from prmppo.rewards.kl import KL_ESTIMATORS
-from prmppo.rollout.hf_engine import DECODE_MODES
-
-# the valid choices below are the implementing modules' own lists; these few have no module of their own
-ADVANTAGE_ESTIMATORS = ("gae", *GROUP_ESTIMATORS)
-STAGES = ("sft", "prm", "band", "ppo", "eval", "pipeline")
-ENGINES = ("hf", "vllm")
-DTYPES = ("float32", "bfloat16", "float16")
-WANDB_MODES = ("auto", "offline", "online")
-
-
-def _choice(problems: list[str], key: str, value, valid) -> None:
-    if value not in valid:
-        problems.append(f"{key}={value!r} is not one of {', '.join(map(str, valid))}")
 
 
 def _positive(problems: list[str], cfg: DictConfig, section: str, *keys: str) -> None:
@@ -47,11 +33,11 @@ def _positive(problems: list[str], cfg: DictConfig, section: str, *keys: str) ->
             problems.append(f"{section}.{key}={value} must be > 0")
 
 
-def _check_ppo(problems: list[str], ppo: DictConfig) -> None:
+def _check_ppo_batch(problems: list[str], ppo: DictConfig) -> None:
+    """The rollout shape and the update's batches: positive, and each dividing the one above it."""
     _positive(problems, ppo, "ppo", "iterations", "prompts_per_iteration", "n_samples_per_prompt",
               "minibatch_rows", "micro_batch_rows", "ppo_epochs", "max_new_tokens", "temperature",
               "lr", "grad_clip", "logit_chunk_tokens")
-    _choice(problems, "ppo.autocast", ppo.autocast, AUTOCAST_MODES)
     if ppo.micro_batch_tokens is not None and ppo.micro_batch_tokens <= 0:
         problems.append(f"ppo.micro_batch_tokens={ppo.micro_batch_tokens} must be > 0 (or null: micro-batches "
                         f"of ppo.micro_batch_rows rows)")
@@ -65,6 +51,10 @@ def _check_ppo(problems: list[str], ppo: DictConfig) -> None:
         problems.append(
             f"ppo.micro_batch_rows={ppo.micro_batch_rows} must divide ppo.minibatch_rows={ppo.minibatch_rows} "
             f"({ppo.minibatch_rows} % {ppo.micro_batch_rows} = {ppo.minibatch_rows % ppo.micro_batch_rows})")
+
+
+def _check_ppo_ranges(problems: list[str], ppo: DictConfig) -> None:
+    """Sampling, discounting, clipping and the guards' limits, each in its range."""
     if not 0 < ppo.top_p <= 1:
         problems.append(f"ppo.top_p={ppo.top_p} must be in (0, 1]")
     for key in ("gamma", "lam_actor", "lam_critic", "min_lr_ratio"):
@@ -75,28 +65,28 @@ def _check_ppo(problems: list[str], ppo: DictConfig) -> None:
             problems.append(f"ppo.{key}={getattr(ppo, key)} must be in (0, 1)")
     if ppo.clip_c is not None and ppo.clip_c <= 1:
         problems.append(f"ppo.clip_c={ppo.clip_c} must be > 1 (dual-clip bound) or null")
-    if ppo.value_warmup_iterations >= ppo.iterations > 0:
-        problems.append(
-            f"ppo.value_warmup_iterations={ppo.value_warmup_iterations} leaves no policy iteration "
-            f"out of ppo.iterations={ppo.iterations}")
-    if ppo.kl_coef < 0:
-        problems.append(f"ppo.kl_coef={ppo.kl_coef} must be >= 0")
     if ppo.keep_checkpoints < 1:
         problems.append(f"ppo.keep_checkpoints={ppo.keep_checkpoints} must be >= 1")
     _positive(problems, ppo, "ppo", "max_first_ratio_dev", "max_engine_logprob_gap", "max_consecutive_skipped_steps")
     if not 0 <= ppo.max_skipped_fraction <= 1:
         problems.append(f"ppo.max_skipped_fraction={ppo.max_skipped_fraction} must be in [0, 1] (a fraction of the "
                         "run's planned optimizer steps)")
-    _choice(problems, "ppo.kl_estimator", ppo.kl_estimator, KL_ESTIMATORS)
-    _choice(problems, "ppo.kl_loss_estimator", ppo.kl_loss_estimator, KL_ESTIMATORS)
+
+
+def _check_ppo_estimators(problems: list[str], ppo: DictConfig) -> None:
+    """The KL terms and the advantage estimator against the keys they need."""
+    if ppo.value_warmup_iterations >= ppo.iterations > 0:
+        problems.append(
+            f"ppo.value_warmup_iterations={ppo.value_warmup_iterations} leaves no policy iteration "
+            f"out of ppo.iterations={ppo.iterations}")
+    if ppo.kl_coef < 0:
+        problems.append(f"ppo.kl_coef={ppo.kl_coef} must be >= 0")
     if ppo.kl_loss_coef < 0:
         problems.append(f"ppo.kl_loss_coef={ppo.kl_loss_coef} must be >= 0")
     if ppo.kl_loss_coef > 0 and ppo.kl_loss_estimator == "k1":
         problems.append("ppo.kl_loss_estimator=k1 with ppo.kl_loss_coef > 0: the gradient of k1 = log(pi/pi_ref) "
                         "on samples from pi is zero in expectation, so the KL loss would do nothing; use k2 or k3 "
                         "(or ppo.kl_coef for a k1 KL in the reward)")
-    _choice(problems, "ppo.loss_agg", ppo.loss_agg, LOSS_AGGS)
-    _choice(problems, "ppo.advantage_estimator", ppo.advantage_estimator, ADVANTAGE_ESTIMATORS)
     if not ppo.group_same_tol >= 0:
         problems.append(f"ppo.group_same_tol={ppo.group_same_tol} must be >= 0 (reward units; 0 turns it off)")
     if not ppo.group_std_floor >= 0:
@@ -109,31 +99,8 @@ def _check_ppo(problems: list[str], ppo: DictConfig) -> None:
                         f"ppo.advantage_estimator={ppo.advantage_estimator} uses none; set it to 0 or use gae")
 
 
-def _check_task(problems: list[str], task: DictConfig) -> None:
-    if task.step_delimiter != "\n":
-        problems.append(f"task.step_delimiter={task.step_delimiter!r}: only '\\n' (one step a line) is supported")
-    if "rl" not in task:
-        return
-    for name in ("sft", "rl"):
-        dist = task[name]
-        if dist.min_operands < 2 or dist.min_operands > dist.max_operands:
-            problems.append(f"task.{name}.min_operands={dist.min_operands} must be >= 2 and <= "
-                            f"task.{name}.max_operands={dist.max_operands}")
-        if dist.min_value > dist.max_value:
-            problems.append(f"task.{name}.min_value={dist.min_value} must be <= task.{name}.max_value={dist.max_value}")
-        bad = [op for op in dist.operators if op not in ("+", "-", "*")]
-        if bad or not dist.operators:
-            problems.append(f"task.{name}.operators={list(dist.operators)} must be a non-empty subset of ['+', '-', '*']")
-    _positive(problems, task, "task", "sft_size", "train_size", "test_size")
-
-
-def _check_rest(problems: list[str], cfg: DictConfig) -> None:
-    _choice(problems, "stage.name", cfg.stage.name, STAGES)
-    _choice(problems, "model.dtype", cfg.model.dtype, DTYPES)
-    _choice(problems, "rollout.engine", cfg.rollout.engine, ENGINES)
-    _choice(problems, "rollout.sync", cfg.rollout.sync, SYNC_MODES)
-    _choice(problems, "rollout.decode", cfg.rollout.decode, DECODE_MODES)
-    _choice(problems, "logger.mode", cfg.logger.mode, WANDB_MODES)
+def _check_rollout(problems: list[str], cfg: DictConfig) -> None:
+    """The rollout worker's timeouts and memory share, and the engine / sync / sampling combinations."""
     _positive(problems, cfg.rollout, "rollout", "sync_every_iterations", "startup_timeout_s",
               "request_timeout_s", "heartbeat_timeout_s")
     if not 0 < cfg.rollout.gpu_memory_utilization <= 1:
@@ -145,26 +112,10 @@ def _check_rest(problems: list[str], cfg: DictConfig) -> None:
     if cfg.rollout.engine == "vllm" and cfg.rollout.sync == "shared":
         problems.append("rollout=vllm with rollout.sync=shared: only the built-in engine (rollout=hf) maps the "
                         "trainer's shared weights; use rollout.sync=checkpoint or adapter")
-    mts_lr = cfg.lora.get("modules_to_save_lr")
-    if mts_lr is not None and not mts_lr > 0:
-        problems.append(f"lora.modules_to_save_lr={mts_lr} must be > 0 (or null for ppo.lr)")
-    if (cfg.rollout.engine == "vllm" and cfg.rollout.sync == "adapter"
-            and list(cfg.lora.get("modules_to_save") or [])):
-        problems.append(f"lora.modules_to_save={list(cfg.lora.modules_to_save)} with rollout=vllm "
-                        f"rollout.sync=adapter: vLLM's LoRA serves only the low-rank factors; use "
-                        f"rollout.sync=checkpoint or lora.modules_to_save=[]")
-    try:
-        ships_adapter = get_class(cfg.lora._target_).ships_adapter
-    except (ImportError, ValueError, AttributeError) as err:
-        problems.append(f"lora._target_={cfg.lora._target_!r} is not a policy class prmppo can build ({err})")
-        ships_adapter = True
-    if cfg.rollout.sync == "adapter" and not ships_adapter:
-        problems.append("rollout.sync=adapter needs LoRA adapters, but lora=none trains the full model: "
-                        "use rollout.sync=checkpoint or lora=adapter")
-    try:  # the reward checks its own keys (cheap: no model, no task)
-        build_quietly(cfg.reward, seed=cfg.seed)
-    except ConfigError as err:
-        problems.append(str(err))
+
+
+def _check_sft_eval_canary(problems: list[str], cfg: DictConfig) -> None:
+    """SFT's steps and warmup, the test evaluation's sizes, the canary's cadence and threshold."""
     sft = cfg.sft
     if sft.steps < 0:
         problems.append(f"sft.steps={sft.steps} must be >= 0")
@@ -181,14 +132,9 @@ def _check_rest(problems: list[str], cfg: DictConfig) -> None:
     _positive(problems, cfg.canary, "canary", "n_problems")
     if not 0 <= cfg.canary.max_drop <= 1:
         problems.append(f"canary.max_drop={cfg.canary.max_drop} must be in [0, 1] (a drop in accuracy)")
-    if cfg.topology.train_world_size < 1:
-        problems.append(f"topology.train_world_size={cfg.topology.train_world_size} must be >= 1")
 
 
 def _check_prm_train(problems: list[str], prm: DictConfig) -> None:
-    _choice(problems, "prm_train.label_source", prm.label_source, LABEL_SOURCES)
-    _choice(problems, "prm_train.estimation", prm.estimation, ESTIMATIONS)
-    _choice(problems, "prm_train.head", prm.head, PRM_HEADS)
     _positive(problems, prm, "prm_train", "r", "alpha", "steps", "batch_rows", "lr", "train_problems",
               "mc_completions", "eval_problems", "chunk_rows", "max_new_tokens")
     if prm.samples_per_problem < (1 if prm.label_source == "monte_carlo" else 0):
@@ -245,7 +191,7 @@ def _check_stage_splits(problems: list[str], cfg: DictConfig, world: int) -> Non
         _check_split(problems, "sft.batch_rows", cfg.sft.batch_rows, world)
     try:
         learned_prm = build_quietly(cfg.reward, seed=cfg.seed).needs_learned_prm
-    except ConfigError:  # reported by _check_rest
+    except ConfigError:  # reported by prmppo.validate, which builds the reward too
         learned_prm = False
     if cfg.stage.name == "prm" or (cfg.stage.name in ("ppo", "pipeline") and learned_prm):
         _check_split(problems, "prm_train.batch_rows", cfg.prm_train.batch_rows, world)
@@ -256,6 +202,8 @@ def _check_topology(problems: list[str], cfg: DictConfig) -> None:
     into equal shares, and a PPO batch that splits into whole micro-batches on every rank (each rank runs
     `minibatch_rows / train_world_size` rows of every minibatch)."""
     topology, ppo, world = cfg.topology, cfg.ppo, cfg.topology.train_world_size
+    if world < 1:
+        problems.append(f"topology.train_world_size={world} must be >= 1")
     if topology.name != "fsdp":
         if world != 1:
             problems.append(f"topology.train_world_size={world} with topology={topology.name}: one process trains; "
@@ -392,17 +340,17 @@ def inert_keys(cfg: DictConfig) -> list[str]:
     return inert
 
 
-def validate_config(cfg: DictConfig) -> None:
-    """Raise `ConfigError` listing every cross-field problem in `cfg`; return None when it can run."""
-    check_targets(cfg)  # first: the checks below build the reward and look up the policy class
+def config_problems(cfg: DictConfig) -> list[str]:
+    """Every problem the checks of this module find in `cfg`: missing keys first, then the topology, W&B,
+    and each section's ranges and arithmetic."""
     problems: list[str] = []
     _check_missing(problems, cfg)
     _check_topology(problems, cfg)
     _check_wandb(problems, cfg.logger)
-    _check_rest(problems, cfg)
-    _check_task(problems, cfg.task)
-    _check_ppo(problems, cfg.ppo)
+    _check_rollout(problems, cfg)
+    _check_sft_eval_canary(problems, cfg)
+    for check in (_check_ppo_batch, _check_ppo_ranges, _check_ppo_estimators):
+        check(problems, cfg.ppo)
     _check_prm_train(problems, cfg.prm_train)
     _check_band(problems, cfg)
-    if problems:
-        raise ConfigError("invalid config: " + "; ".join(problems))
+    return problems

@@ -1,6 +1,6 @@
 """Launch gates: cheap checks that refuse a broken setup before any model weights are loaded.
 
-Run by `stages/ppo.py::train_ppo` in cost order, after config validation (`config/validate.py`):
+Run by `stages/ppo.py::train_ppo` in cost order, after config validation (`validate.py`):
   1. `verifier_receipt`  gold solutions must verify (~100%), corrupted ones must not (~0%): a
                          verifier that passes everything or nothing would make every reward noise;
   2. `check_topology`    devices exist, world size >= 1, roles on distinct GPUs unless colocated;

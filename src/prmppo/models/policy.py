@@ -1,4 +1,4 @@
-"""The trainable policy, its frozen reference and its value head, on one resident base.
+"""The trainable policy, its frozen reference and its value head (models/value_head.py), on one resident base.
 
 `lora=adapter` -> `LoraPolicy`: a peft LoRA adapter named `policy` on the base model. The
 reference policy is the same model with adapters disabled, so no second copy of the weights
@@ -17,7 +17,7 @@ tests and benchmarks), `enable_gradient_checkpointing`, `compile_decoder_layers`
 (an HF-layout directory of the current policy, for the checkpoint sync and for evaluation) and
 `save_adapter` (the adapter sync).
 LoRA factors are kept in the base model's dtype (bf16 GEMMs on a bf16 model; the optimizer steps
-fp32 master copies of them, ppo/optim.py).
+fp32 master copies of them, prmppo/optim.py).
 Both start equal to the base: LoRA's B matrices are zero at init (initialised from a seeded
 generator), so the first rollout's ratio to the reference is exactly 1.
 """
@@ -38,6 +38,7 @@ from torch import nn
 
 from prmppo.config.schema import LoraAdapterConfig
 from prmppo.models.token_scores import token_scores
+from prmppo.models.value_head import ValueHead
 
 POLICY_ADAPTER = "policy"
 
@@ -60,71 +61,6 @@ def adapters_off(model: nn.Module):
             layer.enable_adapters(not off)
         for p, flag in flags:
             p.requires_grad_(flag)
-
-
-class ValueHead(nn.Module):
-    """A linear value estimate per token from the policy's last hidden state, in return units.
-
-    The linear layer predicts a *normalised* return z; the value is mean + std * z with running
-    return statistics (`update_return_stats`). Returns on these tasks sit anywhere in about
-    [0, 5] (step scores plus the outcome) while Adam moves a weight by about the learning rate
-    per step, so an unnormalised head spends most of a run walking its bias to the mean return.
-    Statistics change the way PopArt does (van Hasselt et al. 2016, "Learning values across many
-    orders of magnitude"): the layer is rescaled so every prediction stays what it was.
-    """
-
-    def __init__(self, hidden_size: int, detach_hidden: bool, stats_decay: float = 0.9):
-        super().__init__()
-        self.detach_hidden = detach_hidden
-        self.stats_decay = stats_decay
-        self.linear = nn.Linear(hidden_size, 1)
-        nn.init.zeros_(self.linear.weight)  # values start at the mean return: no bias in the first advantages
-        nn.init.zeros_(self.linear.bias)
-        self.register_buffer("return_mean", torch.zeros(()))
-        self.register_buffer("return_second_moment", torch.ones(()))
-        self.register_buffer("stats_updates", torch.zeros((), dtype=torch.long))
-
-    @property
-    def return_std(self) -> torch.Tensor:
-        variance = self.return_second_moment - self.return_mean.square()
-        return variance.clamp(min=1e-4).sqrt()  # floor 1e-2: constant returns must not divide by ~0
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, L, H] -> [B, L]
-        if self.detach_hidden:
-            hidden = hidden.detach()  # the critic must not move the policy's features
-        with torch.autocast(hidden.device.type, enabled=False):  # the critic stays fp32 under ppo.autocast
-            z = self.linear(hidden.float()).squeeze(-1)
-        return self.return_mean + self.return_std * z
-
-    def normalise(self, values: torch.Tensor) -> torch.Tensor:
-        """Values or returns in the head's normalised units (where the value loss is taken)."""
-        return (values - self.return_mean) / self.return_std
-
-    @torch.no_grad()
-    def update_return_stats(self, returns: torch.Tensor, mask: torch.Tensor,
-                            values: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Fold a batch's returns (masked tokens) into the running statistics; predictions are unchanged,
-        except at the first batch, which moves a head still at zero from predicting 0 to the mean return.
-        `values` [B, T] (the head's predictions before this call, the update's old values) come back as
-        the head predicts them now, so the value clip of the first update is taken around what the head
-        predicts, not around the initial statistics' 0 (which clipped most of the first value loss)."""
-        keep = mask.bool()
-        if not keep.any():
-            return values
-        before = None if values is None else self.normalise(values)
-        batch = returns[keep].float()
-        first = int(self.stats_updates) == 0
-        decay = 0.0 if first else self.stats_decay  # the first batch sets the statistics outright
-        old_mean, old_std = self.return_mean.clone(), self.return_std.clone()
-        self.return_mean.mul_(decay).add_((1 - decay) * batch.mean())
-        self.return_second_moment.mul_(decay).add_((1 - decay) * batch.square().mean())
-        self.stats_updates.add_(1)
-        if first:  # nothing learned yet: the head's output z is kept, so it now reads as the batch's statistics
-            return None if values is None else torch.where(keep, self.return_mean + self.return_std * before, values)
-        new_std = self.return_std
-        self.linear.weight.mul_(old_std / new_std)
-        self.linear.bias.copy_((old_std * self.linear.bias + old_mean - self.return_mean) / new_std)
-        return values
 
 
 def _value_head(base_model: nn.Module, detach_hidden: bool, critic: bool) -> "ValueHead | None":
@@ -310,7 +246,7 @@ class LoraPolicy(_PolicyBase):
             torch.manual_seed(init_seed)
             # the factors in the base's dtype (peft would upcast a bf16 base's to fp32, and every LoRA layer
             # would then cast its input to fp32 and run fp32 GEMMs, forward and backward): a bf16 model
-            # trains them through fp32 master copies (ppo/optim.py MasterWeights); an fp32 model is unchanged
+            # trains them through fp32 master copies (prmppo/optim.py MasterWeights); an fp32 model is unchanged
             self.model = get_peft_model(base_model, config, adapter_name=POLICY_ADAPTER,
                                         autocast_adapter_dtype=False)
         self.modules_to_save_lr = modules_to_save_lr

@@ -7,8 +7,9 @@ at the token that was sampled (and the entropy of that distribution, which the l
 `chunk_tokens` hidden states at a time, only at real response tokens (padding never reaches the
 head), each chunk reduced to two numbers per token at once; under autograd each chunk is
 recomputed in backward (`torch.utils.checkpoint`), so what stays alive is the hidden states, not
-the logits. The values are those of `ppo.maths.logprobs_from_logits` / `entropy_from_logits` on
-the full logits: same upcast-then-temper order, same formulas, only evaluated a slice at a time.
+the logits. The values are those of `logprobs_from_logits` / `entropy_from_logits` (below) on the
+full logits: same upcast-then-temper order, same formulas, only evaluated a slice at a time. Those
+two are the token-score helpers every scorer shares (the PPO loop, the PRM's heads, the benchmarks).
 """
 
 from __future__ import annotations
@@ -17,7 +18,33 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from prmppo.ppo import maths
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy [B, T] of softmax(logits [B, T, V]) as logsumexp(l) - sum_v p_v * l_v.
+
+    Logits of -inf (masked vocabulary) contribute 0 instead of 0 * -inf = nan, and the
+    replacement happens before the product, so the gradient stays finite too.
+    """
+    log_norm = torch.logsumexp(logits, dim=-1)  # [B, T]
+    probs = torch.softmax(logits, dim=-1)  # [B, T, V]
+    finite_logits = logits.masked_fill(probs == 0, 0.0)  # [B, T, V]
+    return log_norm - (probs * finite_logits).sum(dim=-1)
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits [B, T, V]) gathered at `tokens` [B, T] -> [B, T].
+
+    Computed in float32 (half-precision logits are upcast): PPO ratios are exponentials of
+    logprob differences, and bf16 rounding alone would move them by percent.
+    """
+    if tuple(logits.shape[:-1]) != tuple(tokens.shape):
+        raise ValueError(f"tokens shape {tuple(tokens.shape)} must equal logits shape "
+                         f"{tuple(logits.shape)} without its last (vocabulary) dimension")
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    picked = torch.gather(logits, -1, tokens.long().unsqueeze(-1)).squeeze(-1)  # [B, T]
+    return picked - torch.logsumexp(logits, dim=-1)
 
 
 def _chunk_scores(head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float,
@@ -25,11 +52,11 @@ def _chunk_scores(head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, t
     """[n, H] hidden states -> [n, 2] (logprob of `tokens` [n], entropy or 0) under softmax(head(h) / T)."""
     # upcast before the temperature, as the engines do: bf16 logits / T round differently
     logits = head(hidden).float() / temperature  # [n, V]
-    logprobs = maths.logprobs_from_logits(logits, tokens)  # [n]
+    logprobs = logprobs_from_logits(logits, tokens)  # [n]
     if not with_entropy:
         return torch.stack([logprobs, torch.zeros_like(logprobs)], dim=-1)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):  # a logged-only entropy: no graph
-        entropy = maths.entropy_from_logits(logits)  # [n]
+        entropy = entropy_from_logits(logits)  # [n]
     return torch.stack([logprobs, entropy], dim=-1)
 
 

@@ -6,7 +6,7 @@ The rule, the same for every arm and every estimator:
 
 - **task advantages** come from the reward terms alone (outcome, steps): decoupled-lambda GAE
   with the critic (the critic learns the task return; rows cut at the length limit bootstrap from
-  the value there), or a group baseline (`rloo`/`grpo`, `maths.group_baseline_advantages`);
+  the value there), or a group baseline (`rloo`/`grpo`, `estimators.group_baseline_advantages`);
 - **normalise** (`whiten_advantages`): GAE's are centred and scaled over the update's tokens, a
   group baseline's only scaled (each prompt is centred already; a shift would push every sample
   of an all-solved prompt the same way); the std divided by is at least `MIN_TASK_STD`;
@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from prmppo.ppo import maths
+from prmppo.ppo import estimators, maths
 
 
 # the normalisation divides by at least this std (advantage units): a batch whose task advantages are
@@ -53,7 +53,7 @@ class Advantages(NamedTuple):
 
 def compute(terms: list[tuple[Tensor, Tensor]], kl: Tensor, mask: Tensor, update_mask: Tensor, *,
             estimator: str, group_size: int, gamma: float, kl_coef: float, whiten: bool,
-            group_std_floor: float = 0.0, group_same_tol: float = 0.0, lam_actor: float = 1.0, lam_critic: float = 1.0,
+            group_std_floor: float, group_same_tol: float, lam_actor: float = 1.0, lam_critic: float = 1.0,
             values: Tensor | None = None, bootstrap: Tensor | None = None) -> Advantages:
     """The advantages of one batch under the rule in the module docstring.
 
@@ -61,17 +61,18 @@ def compute(terms: list[tuple[Tensor, Tensor]], kl: Tensor, mask: Tensor, update
     estimate; `mask` [B, T] the response tokens; `update_mask` [B, T] the tokens the update learns
     from (the normalisation's statistics are taken over these). `values` [B, T] and `bootstrap` [B]
     (the value after a truncated row's last token, 0 for rows that ended) are the critic's, used when
-    `estimator` is `gae`.
+    `estimator` is `gae`. `group_std_floor` and `group_same_tol` (reward units, 0 = off) are grpo's
+    (`ppo.group_std_floor`, `ppo.group_same_tol`); the caller passes them, so no second default exists.
     """
     zero = torch.zeros((), dtype=torch.float32, device=mask.device)
     if estimator == "gae":
         if values is None:
             raise ValueError("estimator 'gae' needs the critic's values")
         task_rewards = sum((v.to(values.dtype) for v, _ in terms), torch.zeros_like(values))  # [B, T]
-        task, returns = maths.decoupled_gae(task_rewards, values, mask, gamma, lam_actor, lam_critic, bootstrap)
+        task, returns = estimators.decoupled_gae(task_rewards, values, mask, gamma, lam_actor, lam_critic, bootstrap)
     else:
-        task = maths.group_baseline_advantages(terms, mask, group_size, gamma, estimator, group_std_floor,
-                                                 group_same_tol)
+        task = estimators.group_baseline_advantages(terms, mask, group_size, gamma, estimator, group_std_floor,
+                                                      group_same_tol)
         returns = torch.zeros_like(task)
     scale = 1.0
     if whiten:
@@ -81,7 +82,7 @@ def compute(terms: list[tuple[Tensor, Tensor]], kl: Tensor, mask: Tensor, update
         if estimator == "gae":
             task = task - maths.masked_mean(task, update_mask)
         task = task / std
-    kl_pull = maths.returns_to_go(torch.where(mask.bool(), -kl_coef * kl, zero), mask, gamma)  # [B, T]
+    kl_pull = estimators.returns_to_go(torch.where(mask.bool(), -kl_coef * kl, zero), mask, gamma)  # [B, T]
     kl_pull = torch.where(update_mask.bool(), kl_pull, zero)
     advantages = torch.where(update_mask.bool(), task, zero) + kl_pull
     return Advantages(advantages, returns, scale, kl_pull)
@@ -92,7 +93,7 @@ def effective_kl_coef(with_kl: Tensor, without_kl: Tensor, kl: Tensor, mask: Ten
     with_kl - without_kl = -c * G over `mask`'s tokens, G [B, T] the return-to-go of the per-token KL
     `kl`. Under the rule of this module it is `kl_coef` in every arm; a rule that normalised the KL
     together with the task advantages gives about kl_coef / std(task advantages). nan when G is 0."""
-    pull = maths.returns_to_go(torch.where(mask.bool(), kl, torch.zeros_like(kl)), mask, gamma)  # [B, T]
+    pull = estimators.returns_to_go(torch.where(mask.bool(), kl, torch.zeros_like(kl)), mask, gamma)  # [B, T]
     norm = maths.masked_sum(pull * pull, mask)
     if float(norm) == 0.0:
         return float("nan")

@@ -5,7 +5,7 @@
 pay, `events [B, T]` (the outcome: each row's last token; a PRM: every step end, also where the
 step scored 0). GAE reads only `total` (the sum of the terms); a group baseline compares each
 term with the same term of the prompt's other samples, so an outcome is never weighed against
-a step score (`prmppo.ppo.maths.group_baseline_advantages`). The PPO loop never asks which arm it
+a step score (`prmppo.ppo.estimators.group_baseline_advantages`). The PPO loop never asks which arm it
 runs: the seam is this container.
 """
 
