@@ -40,7 +40,7 @@ register_schemas()
 
 def _check_run_dir_given(hydra_overrides: list[str]) -> None:
     """Several torchrun processes must share one run dir: Hydra's default (a timestamp) differs between them."""
-    from prmppo.dist.launch import LaunchError, torchrun_world_size
+    from prmppo.distributed.launch import LaunchError, torchrun_world_size
 
     world = torchrun_world_size()
     if world is not None and world > 1 and not any(o.startswith("hydra.run.dir=") for o in hydra_overrides):

@@ -4,7 +4,7 @@ Order of work, cheapest first, so a bad launch fails in milliseconds:
   1. validate the composed config (`validate.py`): ranges and cross-field arithmetic (`config/validate.py`),
      each choice against the list of the module that implements it;
   2. check every `_target_` against the allowed module prefixes (`config/build.py`);
-  3. check the launch against the topology (`dist/launch.py`: `topology=fsdp` under torchrun with
+  3. check the launch against the topology (`distributed/launch.py`: `topology=fsdp` under torchrun with
      WORLD_SIZE == topology.train_world_size, any other topology on one process);
   4. dispatch to the stage named by `stage.name` (`stages.STAGES`), which builds its components
      and does the work.
@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 from transformers.utils import logging as hf_logging
 
 from prmppo.validate import validate_config
-from prmppo.dist.launch import check_launch
+from prmppo.distributed.launch import check_launch
 from prmppo.stages import STAGES
 from prmppo.logger import laps
 from prmppo.stages.common import record_start

@@ -314,7 +314,7 @@ class CheckpointKeeper:
                     pinned=tuple(Path(p) for p in self.pinned) + ((best,) if best is not None else ()))
         return self.checkpoint
 
-    # how a checkpoint is written, read and pruned: one process here, N ranks in `dist/checkpoint.py`
+    # how a checkpoint is written, read and pruned: one process here, N ranks in `distributed/checkpoint.py`
     def _save(self, checkpoints_dir: Path, next_iteration: int, policy, trainer, extra: dict) -> Path:
         return save_checkpoint(checkpoints_dir, next_iteration, policy, trainer, extra)
 

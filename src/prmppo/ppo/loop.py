@@ -24,7 +24,7 @@ One iteration (`PPOTrainer.iteration`) reads like the algorithm:
 
 The critic exists only for `advantage_estimator=gae`. Old logprobs and the update both run with
 dropout off, so the first minibatch's ratio is exactly 1 whatever `lora.dropout` says. Written
-for N ranks (`ranks`, dist/ranks.py; one process by default): every rank holds the whole batch, so
+for N ranks (`ranks`, distributed/ranks.py; one process by default): every rank holds the whole batch, so
 loss denominators (explicit minibatch token counts), whitening and group statistics are global;
 each rank runs its turns of each planned minibatch's micro-batches (`ranks.deal`, in the no-grad
 pass as in the update, so every rank's first ratio is exactly 1), and summing the micro-batches'
@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from prmppo.dist.ranks import OneProcess
+from prmppo.distributed.ranks import OneProcess
 from prmppo.errors import PrmppoError
 from prmppo.guards.tripwires import SkipBudget
 from prmppo.logger.console import progress
@@ -124,7 +124,7 @@ class PPOTrainer:
     def __init__(self, *, policy, tokenizer, task, reward, engine, sync: WeightSync, ppo, logger,
                  device: torch.device, seed: int, show_progress: bool = False, prompts: list | None = None,
                  ranks=None):
-        # the training ranks (dist/ranks.py): the rows this process runs, global sums; one process by default
+        # the training ranks (distributed/ranks.py): the rows this process runs, global sums; one process by default
         self.ranks = ranks if ranks is not None else OneProcess(device)
         self.show_progress = show_progress  # a bar over the update's optimizer steps (interactive only)
         self.policy, self.tokenizer, self.task, self.reward = policy, tokenizer, task, reward

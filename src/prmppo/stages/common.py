@@ -16,7 +16,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from prmppo.config.validate import inert_keys, wandb_key_configured
-from prmppo.dist.launch import init_ranks
+from prmppo.distributed.launch import init_ranks
 from prmppo.errors import PrmppoError
 from prmppo.evaluation import score
 from prmppo.logger import MetricsLogger, write_json_atomic
@@ -33,8 +33,8 @@ def train_device(cfg: DictConfig) -> torch.device:
 
 
 def open_ranks(cfg: DictConfig, run_dir: Path):
-    """The training ranks of this launch (`dist/`): one process on `topology.train_device`, or this rank of N
-    under torchrun (`topology=fsdp`: joins the process group). Close them with `dist.launch.close_ranks`."""
+    """The training ranks of this launch (`distributed/`): one process on `topology.train_device`, or this rank of N
+    under torchrun (`topology=fsdp`: joins the process group). Close them with `distributed.launch.close_ranks`."""
     train_device(cfg)  # a CUDA device that is not there is refused here
     return init_ranks(cfg.topology.name, cfg.topology.train_device, run_dir)
 

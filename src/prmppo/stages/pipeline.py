@@ -15,7 +15,7 @@ measured by rank 0 (the others wait), PPO runs across the ranks as `stage=ppo` d
 alone publishes the policy and runs the final evaluation (two plain models loaded from their
 checkpoints) while the others wait for its result in a broadcast, so every rank returns the same
 summary and rank 0 writes the one `stage_result.json`. That wait is bounded by the process group's
-timeout (`dist/launch.py`); keep `eval.n_problems` to what rank 0 evaluates within it.
+timeout (`distributed/launch.py`); keep `eval.n_problems` to what rank 0 evaluates within it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from prmppo.config.build import build
-from prmppo.dist.launch import close_ranks
+from prmppo.distributed.launch import close_ranks
 from prmppo.stages import band as band_stage, eval as eval_stage, ppo
 from prmppo.stages.common import open_ranks, write_stage_result
 

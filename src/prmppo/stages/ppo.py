@@ -30,7 +30,7 @@ last, greedy and sampled accuracy and pass@k (k = `eval.during_ppo_k`) on the fi
 `eval.during_ppo_problems` test problems, logged as rows with `"stage": "ppo_eval"` (x axis
 `eval/ppo_iterations`, the iterations done); canary checks add `canary/` metrics to the iteration's row.
 
-Several ranks (`topology=fsdp`, `dist/`): every rank runs this module; a missing SFT checkpoint or PRM
+Several ranks (`topology=fsdp`, `distributed/`): every rank runs this module; a missing SFT checkpoint or PRM
 is trained data-parallel on every rank first (`stages/sft.py`, `stages/prm.py`), a missing band is
 measured by rank 0 while the others wait; `_RankPieces` holds what differs from one process (the
 policy sharded after the PRM loads, the weight sync and the final save through full weights gathered
@@ -67,10 +67,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from prmppo import artifacts
 from prmppo.config.build import build
-from prmppo.dist.checkpoint import ShardedKeeper
-from prmppo.dist.launch import close_ranks, ranks_on_this_node
-from prmppo.dist.ranks import OneProcess, TorchRanks
-from prmppo.dist.shard import GatheredSync, GatheredWriter, check_identical_init, shard_policy
+from prmppo.distributed.checkpoint import ShardedKeeper
+from prmppo.distributed.launch import close_ranks, ranks_on_this_node
+from prmppo.distributed.ranks import OneProcess, TorchRanks
+from prmppo.distributed.shard import GatheredSync, GatheredWriter, check_identical_init, shard_policy
 from prmppo.errors import StopRequested
 from prmppo.evaluation import score
 from prmppo.guards.canary import Canary
@@ -276,7 +276,7 @@ def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict,
     """Run PPO from `base_dir` (with the PRM at `prm_dir` when the reward needs one, on the prompts of `band`
     when given), or resume from the newest complete checkpoint in `run_dir`; returns the summary (final
     checkpoint path included). A coordinated stop saves, closes the worker, writes `stage_result.json` with
-    `stopped` and raises `StopRequested` (exit 3). `ranks`: the training ranks (`dist/`), one process if None."""
+    `stopped` and raises `StopRequested` (exit 3). `ranks`: the training ranks (`distributed/`), one process if None."""
     gates, laps = dict(gates), laps if laps is not None else Laps()
     ranks = ranks if ranks is not None else OneProcess(train_device(cfg))
     lora_rank = cfg.lora.r if get_class(cfg.lora._target_).ships_adapter else 0

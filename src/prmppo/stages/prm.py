@@ -28,13 +28,13 @@ Steps (`ensure_prm`):
 Simplifications: examples are drawn uniformly with replacement; policy samples for labels and for
 best-of-N come from the SFT policy at temperature 1.
 
-Several ranks (`topology=fsdp`, `dist/`), step by step:
+Several ranks (`topology=fsdp`, `distributed/`), step by step:
   1. labels    every rank samples them (and the best-of-N candidates) on its own unsharded fp32 copy
                of the SFT model, with the same seeded calls, before the adapter exists; then rank 0's
                examples, candidates and RNG state are broadcast (`TorchRanks.from_main`), so every
                rank trains and evaluates on exactly rank 0's. Sampling on every rank, not on rank 0
                alone, keeps the others' wait in that broadcast to the ranks' skew: a wait as long as
-               the sampling itself could outlast the process group's timeout (`dist/launch.py`).
+               the sampling itself could outlast the process group's timeout (`distributed/launch.py`).
   2. train     data parallel: the PeftModel sharded by FSDP2 per decoder block and at the root (the
                `prm` LoRA factors with their blocks), the head replicated (its gradients summed over
                the ranks); every rank draws the same `prm_train.batch_rows` examples and trains on its
@@ -63,9 +63,9 @@ from omegaconf import DictConfig
 
 from prmppo import artifacts
 from prmppo.config.build import build
-from prmppo.dist.launch import close_ranks
-from prmppo.dist.ranks import OneProcess, TorchRanks
-from prmppo.dist.shard import GatheredModel, check_same_weights, clip_global_norm, shard_model
+from prmppo.distributed.launch import close_ranks
+from prmppo.distributed.ranks import OneProcess, TorchRanks
+from prmppo.distributed.shard import GatheredModel, check_same_weights, clip_global_norm, shard_model
 from prmppo.guards.gates import check_label_source
 from prmppo.logger import DiscardMetrics
 from prmppo.logger.console import log_milestone, progress as progress_bar

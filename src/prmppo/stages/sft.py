@@ -12,7 +12,7 @@ the batch's longest), no gradient accumulation (the tiny model fits).
 At the end it scores greedy accuracy on the `test` split (the RL prompt distribution) and on
 held-out SFT-distribution problems, and saves an HF-layout checkpoint that later stages load.
 
-Several ranks (`topology=fsdp`, `dist/`): data parallel over the ranks with the model sharded by
+Several ranks (`topology=fsdp`, `distributed/`): data parallel over the ranks with the model sharded by
 FSDP2 (fp32 weights, per decoder block and at the root, computing in `model.dtype`). Every rank
 draws the same `sft.batch_rows` rows from the same seeded generator and trains on its own
 `batch_rows / N` of them; the loss is the summed cross-entropy over the global count of response
@@ -37,9 +37,9 @@ from omegaconf import DictConfig
 
 from prmppo import artifacts
 from prmppo.config.build import build
-from prmppo.dist.launch import close_ranks
-from prmppo.dist.ranks import OneProcess, TorchRanks
-from prmppo.dist.shard import GatheredModel, check_same_weights, clip_global_norm, shard_model
+from prmppo.distributed.launch import close_ranks
+from prmppo.distributed.ranks import OneProcess, TorchRanks
+from prmppo.distributed.shard import GatheredModel, check_same_weights, clip_global_norm, shard_model
 from prmppo.errors import PrmppoError
 from prmppo.evaluation import score
 from prmppo.logger.console import log_milestone, progress as progress_bar

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from prmppo.dist.checkpoint import _check_fits
+from prmppo.distributed.checkpoint import _check_fits
 from prmppo.logger import write_json_atomic
 from prmppo.ppo.checkpoint import FORMAT_VERSION, MARKER, CheckpointError, load_checkpoint
 

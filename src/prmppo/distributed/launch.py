@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from prmppo.dist.ranks import OneProcess, TorchRanks
+from prmppo.distributed.ranks import OneProcess, TorchRanks
 from prmppo.errors import PrmppoError
 
 log = logging.getLogger("prmppo")

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from transformers import MistralConfig, MistralForCausalLM
 
-from prmppo.dist.launch import close_ranks, init_ranks
-from prmppo.dist.shard import shard_policy
+from prmppo.distributed.launch import close_ranks, init_ranks
+from prmppo.distributed.shard import shard_policy
 from prmppo.models.policy import FullPolicy, call_directly
 
 out, run_dir = Path(sys.argv[1]), Path(sys.argv[2])

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import torch
 
-from prmppo.dist.launch import LaunchError, close_ranks, init_ranks
-from prmppo.dist.shard import check_identical_init
+from prmppo.distributed.launch import LaunchError, close_ranks, init_ranks
+from prmppo.distributed.shard import check_identical_init
 from prmppo.errors import PrmppoError
 
 out, dirs = Path(sys.argv[1]), sys.argv[2:4]

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import REPO, compose_config
 from prmppo.validate import validate_config
-from prmppo.dist.launch import LaunchError, check_launch
+from prmppo.distributed.launch import LaunchError, check_launch
 from prmppo.errors import EXIT_REFUSED, ConfigError
 
 TORCHRUN_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
@@ -92,7 +92,7 @@ def test_a_multi_rank_launch_without_a_run_dir_is_refused(tmp_path):
 
 
 def test_the_gpu_count_gate_counts_the_ranks_of_this_node():
-    from prmppo.dist.launch import ranks_on_this_node
+    from prmppo.distributed.launch import ranks_on_this_node
 
     assert ranks_on_this_node(8, environ={**TORCHRUN_ENV, "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}) == 4
     assert ranks_on_this_node(8, environ={}) == 8

@@ -1,6 +1,6 @@
 """Faults of a 2-rank job: a rank killed mid-run ends the whole job with a non-zero exit; SIGTERM to the
 launcher stops every rank after the same iteration with one consistent checkpoint; either way a relaunch
-resumes from the last complete sharded checkpoint (`dist/checkpoint.py`) to the metrics of an
+resumes from the last complete sharded checkpoint (`distributed/checkpoint.py`) to the metrics of an
 uninterrupted 2-rank run."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The chunked scoring pass on FSDP2 ranks (`dist/shard.py as_root_forward`): `policy.score` calls the
+"""The chunked scoring pass on FSDP2 ranks (`distributed/shard.py as_root_forward`): `policy.score` calls the
 decoder and the tied LM head directly, so it must run as the sharded root's forward; then its logprobs
 equal the unsharded policy's and the tied embedding's gradient is reduced over the ranks. Without it
 the root's own weights stay sharded and the pass does not give the unsharded logprobs."""
