@@ -1,7 +1,8 @@
-"""The chunked scoring pass on FSDP2 ranks (`distributed/shard.py as_root_forward`): `policy.score` calls the
-decoder and the tied LM head directly, so it must run as the sharded root's forward; then its logprobs
-equal the unsharded policy's and the tied embedding's gradient is reduced over the ranks. Without it
-the root's own weights stay sharded and the pass does not give the unsharded logprobs."""
+"""The chunked scoring pass on FSDP2 ranks (`models/root_forward.py as_root_forward`, the policy's
+`scoring_call` once `distributed/shard.py` shards it): `policy.score` calls the decoder and the tied
+LM head directly, so it must run as the sharded root's forward; then its logprobs equal the unsharded
+policy's and the tied embedding's gradient is reduced over the ranks. Without it the root's own
+weights stay sharded and the pass does not give the unsharded logprobs."""
 
 from __future__ import annotations
 

@@ -13,11 +13,11 @@ its share of the global minibatch mean.
 Scoring (`policy.score`, `models/token_scores.py`) calls the decoder and the LM head directly, not
 the root model's forward, so the root unit's hooks would never run: its own parameters (the
 embeddings, the final norm, the LM head, tied or not) would stay sharded, and in backward their
-gradients would never be reduce-scattered. `as_root_forward` runs the scoring pass as the root's
-forward (the policy's `scoring_call`, set by `shard_policy`): the root gathers its parameters once
-before the pass (the LM head's chunks then need no collective, however many a rank runs), keeps
-them for backward (FSDP2 does not reshard the root after forward), and reduces their gradients at
-the end of backward.
+gradients would never be reduce-scattered. `as_root_forward` (`models/root_forward.py`) runs the
+scoring pass as the root's forward (the policy's `scoring_call`, set by `shard_policy`): the root
+gathers its parameters once before the pass (the LM head's chunks then need no collective, however
+many a rank runs), keeps them for backward (FSDP2 does not reshard the root after forward), and
+reduces their gradients at the end of backward.
 
 `GatheredModel` / `GatheredWriter`: weight sync, checkpoints' HF files, the final policy and the
 SFT and PRM artifacts need the full weights as ordinary tensors.
@@ -46,6 +46,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from prmppo.errors import PrmppoError
+from prmppo.models.root_forward import as_root_forward
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
@@ -85,21 +86,6 @@ def shard_policy(policy, compute_dtype: torch.dtype) -> None:
     if reference is not None:
         _shard(reference, compute_dtype)
     policy.scoring_call = as_root_forward
-
-
-def as_root_forward(root: nn.Module, run: Callable):
-    """`run()` (a pass that calls `root`'s decoder and LM head itself) as the forward of the FSDP2 root
-    `root`, so that the root's pre-forward all-gather and its backward hooks run around it."""
-    if not isinstance(root, FSDPModule):
-        raise PrmppoError(f"as_root_forward needs an FSDP2-sharded root module, got {type(root).__name__}")
-    # an instance attribute: nn.Module.__call__ runs it inside the root's hooks. It takes one dummy
-    # argument: on an accelerator FSDP2's root pre-forward moves the call's inputs to the device and,
-    # in some torch releases, fails on a call with no inputs at all
-    root.forward = lambda _unused: run()
-    try:
-        return root(None)
-    finally:
-        del root.forward
 
 
 def weights_digest(modules: list[nn.Module]) -> str:

@@ -139,7 +139,7 @@ class _PolicyBase:
     _checkpointed_layers: tuple[nn.Module, ...] = ()  # set by enable_gradient_checkpointing
     _input_grad_hook = None  # see _first_layer_input_like_the_others
     # `score` calls the decoder and the LM head itself, not the root model's forward; an FSDP2-sharded
-    # policy replaces this with `distributed.shard.as_root_forward`, which runs the pass as the root's forward
+    # policy replaces this with `root_forward.as_root_forward`, which runs the pass as the root's forward
     scoring_call = staticmethod(call_directly)
 
     def score(self, input_ids, attention_mask, position_ids, response_ids, response_mask, prompt_length: int,

@@ -37,10 +37,10 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
-from prmppo.distributed.shard import as_root_forward
 from prmppo.models.policy import _causal_lm, adapters_off, decoder_mask
 from prmppo.models.prm_heads import StepInputs, StepLogprobHead, make_head
 from prmppo.models.prm_heads import step_logprob_stats  # noqa: F401  benchmarks/prm_likelihood.py reads it here
+from prmppo.models.root_forward import as_root_forward
 from prmppo.models.token_scores import logprobs_from_logits
 from prmppo.rewards.steps import StepBoundaries, align_step_labels
 from prmppo.rollout.hf_engine import find_adapter_dir
