@@ -22,12 +22,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from prmppo.logger import write_json_atomic
-from prmppo.ppo.checkpoint import (FORMAT_VERSION, MARKER, CheckpointError, CheckpointKeeper,
-                                   checkpoint_name, prune_checkpoints, read_meta, restore_run_state)
+from prmppo.checkpoint_format import (VALUE_HEAD_FILE, CheckpointError, checkpoint_name, prune_checkpoints,
+                                      read_meta, restore_run_state, save_value_head, write_marker)
 
 OPTIONS = StateDictOptions(ignore_frozen_params=True)
 # loading: the frozen weights are absent on purpose (checked below: nothing trainable may be missing)
@@ -44,21 +43,12 @@ def _sharded_state(policy, trainer) -> dict:
 
 def _save_plain(tmp: Path, next_iteration: int, policy, trainer, world_size: int, extra: dict) -> None:
     """Rank 0: everything but the sharded weights, then the marker."""
-    if policy.value_head is not None:
-        save_file({k: v.detach().cpu().contiguous() for k, v in policy.value_head.state_dict().items()},
-                  str(tmp / "value_head.safetensors"))
+    save_value_head(policy, tmp / VALUE_HEAD_FILE)
     torch.save({"value_optimizer": None if trainer.value_optimizer is None else trainer.value_optimizer.state_dict(),
                 "scheduler": trainer.scheduler.state_dict()}, tmp / "optim.pt")
     torch.save({"cpu": torch.get_rng_state()}, tmp / "rng.pt")
     torch.save(trainer.reward.state_dict(), tmp / "reward.pt")
-    budget = trainer.skip_budget
-    write_json_atomic(tmp / MARKER, {
-        "format": FORMAT_VERSION, "next_iteration": next_iteration, "world_size": world_size,
-        "policy_steps_taken": trainer.policy_steps_taken, "skipped_steps": trainer.skipped_steps,
-        "planned_policy_steps": trainer.shape.policy_steps,
-        "skip_budget": {"skipped": budget.skipped, "consecutive": budget.consecutive, "steps": budget.steps},
-        "files": {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()},
-        "extra": extra})
+    write_marker(tmp, next_iteration, trainer, extra, world_size=world_size)
 
 
 def save_sharded(checkpoints_dir: Path, next_iteration: int, policy, trainer, ranks, extra: dict) -> Path:
@@ -111,28 +101,27 @@ def load_sharded(ckpt_dir: Path, policy, trainer, ranks) -> int:
                               f"unexpected {list(result.unexpected_keys)[:3]}")
     if policy.value_head is not None:
         device = str(next(policy.value_head.parameters()).device)
-        policy.value_head.load_state_dict(load_file(str(ckpt_dir / "value_head.safetensors"), device=device))
+        policy.value_head.load_state_dict(load_file(str(ckpt_dir / VALUE_HEAD_FILE), device=device))
     optim = torch.load(ckpt_dir / "optim.pt", weights_only=True, map_location="cpu")
     return restore_run_state(ckpt_dir, meta, trainer, optim)  # rng.pt here holds the CPU state only
 
 
-class ShardedKeeper(CheckpointKeeper):
-    """The one-process keeping rules (cadence, keep-N, pins) over sharded checkpoints; rank 0 prunes."""
+class ShardedCheckpoints:
+    """The checkpoint store of N ranks (every rank calls each method): sharded saves and loads, rank 0
+    prunes and owns the run's files; the one-process store's counterpart (`ppo/checkpoint.py`), asked
+    for through `TorchRanks.checkpoints`."""
 
-    def __init__(self, run_dir: Path, every: int, keep: int, canary, ranks):
-        super().__init__(run_dir, every, keep, canary)
+    def __init__(self, ranks):
         self.ranks = ranks
+        self.writes_run_files = ranks.is_main  # metrics.jsonl and canary.jsonl are rank 0's
 
-    def trim_run_files(self) -> list[dict]:
-        return super().trim_run_files() if self.ranks.is_main else []
-
-    def _save(self, checkpoints_dir: Path, next_iteration: int, policy, trainer, extra: dict) -> Path:
+    def save(self, checkpoints_dir: Path, next_iteration: int, policy, trainer, extra: dict) -> Path:
         return save_sharded(checkpoints_dir, next_iteration, policy, trainer, self.ranks, extra)
 
-    def _load(self, ckpt_dir: Path, policy, trainer) -> int:
+    def load(self, ckpt_dir: Path, policy, trainer) -> int:
         return load_sharded(ckpt_dir, policy, trainer, self.ranks)
 
-    def _prune(self, checkpoints_dir: Path, keep: int, pinned: tuple[Path, ...]) -> None:
+    def prune(self, checkpoints_dir: Path, keep: int, pinned: tuple[Path, ...]) -> None:
         if self.ranks.is_main:
             prune_checkpoints(checkpoints_dir, keep, pinned)
         self.ranks.barrier()
