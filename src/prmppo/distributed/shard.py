@@ -190,8 +190,8 @@ def _tied(model: nn.Module) -> set[str]:
 class GatheredSync:
     """`WeightSync` for N ranks: every rank joins the gather on the sync cadence, rank 0 writes and serves."""
 
-    def __init__(self, sync, writer: GatheredWriter, every_iterations: int):
-        self.sync, self.writer = sync, writer  # `sync` (a WeightSync) is None on ranks other than 0
+    def __init__(self, sync, full_policy: Callable, every_iterations: int):
+        self.sync, self.full_policy = sync, full_policy  # `sync` (a WeightSync) is None on ranks other than 0
         self.every_iterations = every_iterations
 
     @property
@@ -199,7 +199,7 @@ class GatheredSync:
         return self.sync.served
 
     def push(self, policy):
-        full = self.writer.full_policy()
+        full = self.full_policy()  # `GatheredWriter.full_policy`: a collective
         return None if self.sync is None else self.sync.push(full)
 
     def maybe_sync(self, policy, iteration: int) -> bool:
