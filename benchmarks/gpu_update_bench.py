@@ -300,13 +300,14 @@ def _train_batch(trainer, rollout, plan, device: torch.device):
 
 def run_path(path: str, args, rollout) -> dict:
     """Median seconds of the no-grad forwards and of the update, and peak memory, for one path."""
+    from prmppo.distributed.ranks import OneProcess
     from prmppo.ppo.loop import PPOTrainer
 
     cuda = args.device.startswith("cuda")
     policy, n_params = build_policy(args, path)
     cls = make_old_path_trainer() if path == "old" else PPOTrainer
     trainer = cls(policy=policy, tokenizer=None, task=_Task(), reward=None, engine=None, sync=None,
-                  ppo=ppo_config(args, path), logger=None, device=torch.device(args.device), seed=0)
+                  ppo=ppo_config(args, path), logger=None, ranks=OneProcess(torch.device(args.device)), seed=0)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     plan = trainer.plan(rollout, 0)  # the micro-batches the no-grad pass and the update share

@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 from prmppo import artifacts
 from prmppo.config.build import build
 from prmppo.config.store import register_schemas
+from prmppo.distributed.ranks import OneProcess
 from prmppo.models.loading import load_model, load_tokenizer
 from prmppo.models.prm import build_step_scorer
 from prmppo.ppo.loop import PPOTrainer
@@ -91,7 +92,7 @@ def main() -> None:
         ppo.group_std_floor, ppo.group_same_tol = floor, tol
         trainer = PPOTrainer(policy=policy, tokenizer=tokenizer, task=task, reward=reward,
                              engine=InProcessEngine(final) if batch is None else None,
-                             sync=SimpleNamespace(served=WeightsSpec(kind="base", path=None, version=0)), ppo=ppo, logger=None, device=torch.device("cpu"),
+                             sync=SimpleNamespace(served=WeightsSpec(kind="base", path=None, version=0)), ppo=ppo, logger=None, ranks=OneProcess(torch.device("cpu")),
                              seed=args.seed)
         if batch is None:
             batch = trainer.sample(0)

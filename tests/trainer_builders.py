@@ -8,6 +8,7 @@ from omegaconf import OmegaConf
 from transformers import MistralConfig, MistralForCausalLM
 
 from conftest import compose_config
+from prmppo.distributed.ranks import OneProcess
 from prmppo.models.policy import LoraPolicy
 from prmppo.ppo.batch import RolloutBatch, collate
 from prmppo.ppo.loop import PPOTrainer
@@ -37,7 +38,7 @@ def tiny_trainer(ppo, lora_b_scale: float = 0.0) -> PPOTrainer:
                     p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(4)) * lora_b_scale)
     task = type("Task", (), {"problems": lambda self, split: list(range(10))})()
     return PPOTrainer(policy=policy, tokenizer=None, task=task, reward=OutcomeReward(), engine=None, sync=None,
-                      ppo=ppo, logger=None, device=torch.device("cpu"), seed=0)
+                      ppo=ppo, logger=None, ranks=OneProcess(torch.device("cpu")), seed=0)
 
 
 def random_rollout(outcome: list[float]) -> RolloutBatch:

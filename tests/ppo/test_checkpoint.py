@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from transformers import MistralConfig, MistralForCausalLM
 
 from conftest import compose_config
+from prmppo.distributed.ranks import OneProcess
 from prmppo.models.policy import FullPolicy, LoraPolicy
 from prmppo.ppo.checkpoint import (
     CheckpointError,
@@ -49,7 +50,7 @@ def _trainer(policy, label_noise: float = 0.5):
     ppo = OmegaConf.to_object(compose_config(["debug=smoke", "ppo.iterations=4", "ppo.advantage_estimator=gae"]).ppo)
     reward = ProcessReward(label_noise=label_noise, seed=0)  # the reward with state: its label-noise generator
     return PPOTrainer(policy=policy, tokenizer=None, task=_Task(), reward=reward, engine=None, sync=None, ppo=ppo,
-                      logger=None, device=torch.device("cpu"), seed=0)
+                      logger=None, ranks=OneProcess(torch.device("cpu")), seed=0)
 
 
 def _step(policy, trainer):

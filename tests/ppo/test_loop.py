@@ -17,6 +17,7 @@ from peft.tuners.tuners_utils import cast_adapter_dtype
 from transformers import MistralConfig, MistralForCausalLM
 
 from conftest import compose_config
+from prmppo.distributed.ranks import OneProcess
 from prmppo.models.policy import POLICY_ADAPTER, LoraPolicy
 from prmppo.ppo import maths
 from prmppo.ppo.batch import TrainBatch, collate
@@ -53,7 +54,7 @@ def _policy(critic: bool, dropout: float = 0.0, modules_to_save=None, dtype=torc
 
 def _trainer(policy, ppo):
     return PPOTrainer(policy=policy, tokenizer=None, task=_Task(), reward=OutcomeReward(), engine=None, sync=None,
-                      ppo=ppo, logger=None, device=torch.device("cpu"), seed=0)
+                      ppo=ppo, logger=None, ranks=OneProcess(torch.device("cpu")), seed=0)
 
 
 def _batch(trainer, policy, seed: int = 0) -> TrainBatch:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from test_loop import _batch, _policy, _ppo, _trainer
+from prmppo.distributed.ranks import OneProcess
 from prmppo.ppo.loop import PPOTrainer
 from prmppo.rewards.orm import OutcomeReward
 
@@ -25,7 +26,7 @@ def _on_device(*overrides: str):
     policy.model.to(DEVICE)
     policy.value_head.to(DEVICE)
     trainer = PPOTrainer(policy=policy, tokenizer=None, task=type("T", (), {"problems": lambda self, s: [0]})(),
-                         reward=OutcomeReward(), engine=None, sync=None, ppo=ppo, logger=None, device=DEVICE, seed=0)
+                         reward=OutcomeReward(), engine=None, sync=None, ppo=ppo, logger=None, ranks=OneProcess(DEVICE), seed=0)
     moved = {f.name: getattr(batch, f.name) for f in fields(batch)}
     batch = type(batch)(**{k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
     return policy, trainer, batch

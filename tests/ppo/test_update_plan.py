@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from transformers import MistralConfig, MistralForCausalLM
 
 from conftest import compose_config
+from prmppo.distributed.ranks import OneProcess
 from prmppo.models.policy import LoraPolicy
 from prmppo.ppo.batch import RolloutBatch, collate
 from prmppo.ppo.loop import PPOTrainer
@@ -35,7 +36,7 @@ def _trainer(ppo, dtype: torch.dtype) -> PPOTrainer:
                         dropout=0.0, target_modules=["q_proj", "v_proj"])
     task = type("Task", (), {"problems": lambda self, split: list(range(10))})()
     return PPOTrainer(policy=policy, tokenizer=None, task=task, reward=OutcomeReward(), engine=None, sync=None,
-                      ppo=ppo, logger=None, device=torch.device("cpu"), seed=0)
+                      ppo=ppo, logger=None, ranks=OneProcess(torch.device("cpu")), seed=0)
 
 
 def _rollout(outcome: list[float]) -> RolloutBatch:

@@ -15,6 +15,7 @@ from conftest import RIGHT_SOMETIMES, compose_config, tiny_mistral
 from prmppo import artifacts
 from prmppo.app import run
 from prmppo.config.build import build
+from prmppo.distributed.ranks import OneProcess
 from prmppo.validate import ConfigError, validate_config
 from prmppo.errors import DataError, DataFileMissing, PrmppoError
 from prmppo.models.policy import LoraPolicy
@@ -167,7 +168,7 @@ def _sampled_questions(task, prompts) -> list[str]:
                         target_modules=["q_proj", "v_proj"])
     trainer = PPOTrainer(policy=policy, tokenizer=tokenizer, task=task, reward=None, engine=engine,
                          sync=SimpleNamespace(served=WeightsSpec("base", None, 0)), ppo=ppo, logger=None,
-                         device=None, seed=0, prompts=prompts)
+                         ranks=OneProcess(None), seed=0, prompts=prompts)
     for iteration in range(3):
         trainer.sample(iteration)
     return [tokenizer.decode(ids, skip_special_tokens=True).strip()
