@@ -42,6 +42,7 @@ from prmppo.models.prm_heads import StepInputs, StepLogprobHead, make_head
 from prmppo.models.prm_heads import step_logprob_stats  # noqa: F401  benchmarks/prm_likelihood.py reads it here
 from prmppo.models.root_forward import as_root_forward
 from prmppo.models.token_scores import logprobs_from_logits
+from prmppo.rewards.prm import SCORER_KINDS
 from prmppo.rewards.steps import StepBoundaries, align_step_labels
 from prmppo.rollout.hf_engine import find_adapter_dir
 
@@ -270,9 +271,6 @@ def load_prm(prm_dir: str | Path, model: nn.Module, tokenizer) -> tuple[nn.Modul
     return peft_model, head.to(device).eval().requires_grad_(False)
 
 
-SCORERS = ("learned", "oracle", "likelihood_control")
-
-
 def build_step_scorer(*, scorer: str, task, tokenizer, model: nn.Module | None = None,
                       prm_dir: str | Path | None = None, chunk_rows: int) -> StepScorer:
     """The step scorer `reward.scorer` names: `learned`, the PRM artifact at `prm_dir` loaded onto `model`
@@ -288,7 +286,7 @@ def build_step_scorer(*, scorer: str, task, tokenizer, model: nn.Module | None =
         return LikelihoodControlScorer(model, boundaries.delimiter_ids, boundaries.eos_token_id, chunk_rows,
                                        boundaries.blank_ids)
     if scorer != "learned":
-        raise ValueError(f"reward.scorer={scorer!r} is not one of {', '.join(SCORERS)}")
+        raise ValueError(f"reward.scorer={scorer!r} is not one of {', '.join(SCORER_KINDS)}")
     if model is None or prm_dir is None:
         raise ValueError("a learned PRM scorer needs the PRM artifact dir (ensure_prm) and the model to load it on")
     peft_model, head = load_prm(prm_dir, model, tokenizer)

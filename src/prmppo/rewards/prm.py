@@ -41,13 +41,13 @@ import torch
 from torch import Tensor
 
 from prmppo.config.schema import ProcessRewardConfig
-from prmppo.models.prm import SCORERS
 from prmppo.rewards.orm import outcome_term
 from prmppo.rewards.steps import to_steps, to_tokens
 from prmppo.rewards.terms import RewardTerm, RewardTerms
 from prmppo.rewards.transforms import TRANSFORM_NAMES, apply_transform
 
-SCORER_KINDS = SCORERS  # learned | oracle | likelihood_control
+# `reward.scorer`: where step scores come from (`models/prm.py build_step_scorer` builds each)
+SCORER_KINDS = ("learned", "oracle", "likelihood_control")
 
 
 class ProcessReward:
