@@ -74,7 +74,7 @@ def test_every_stage_that_trains_a_prm_refuses_before_sft(smoke_cfg, word_proble
 
 def test_the_orm_arm_and_monte_carlo_labels_pass_the_early_gates(smoke_cfg, word_problems):
     from prmppo.config.build import build
-    from prmppo.stages.ppo import early_gates
+    from prmppo.stages.inputs import early_gates
 
     for overrides, expected in ((["arm=orm"], "none (no learned PRM)"),
                                 (["prm_train.label_source=monte_carlo"], "monte_carlo")):

@@ -39,7 +39,7 @@ def _saved_prm(tok, prm_dir):
 
 def _policy_with_prm(tok, tmp_path, policy_type):
     """(policy, probe): the probe taken from the fresh model, then the policy built on it and the PRM
-    loaded onto its prm_host (as `stages.ppo._reward` does), in the order `train_ppo` runs them."""
+    loaded onto its prm_host (as `stages.ppo_training._reward` does), in the order `train_ppo` runs them."""
     _saved_prm(tok, tmp_path / "prm")
     model = _model(tok)
     probe = reference_probe(model, tok, _prompts())

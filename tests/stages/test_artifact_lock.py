@@ -8,7 +8,7 @@ import multiprocessing as mp
 from pathlib import Path
 
 from prmppo import artifacts
-from prmppo.stages.sft import ensure_sft
+from prmppo.stages.sft_training import ensure_sft
 from prmppo.config.build import build
 
 

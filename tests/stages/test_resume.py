@@ -138,16 +138,16 @@ def test_sigterm_stops_with_exit_code_3_and_a_resumable_checkpoint(tmp_path):
 def test_canary_alarm_pins_the_best_checkpoint_against_pruning(tmp_path, monkeypatch):
     # the smoke policy's real canary accuracy is 0 throughout: script it. Best at iteration 1
     # (checkpoint it000002), a drop at iteration 2 (alarm: pin it), a new best at iteration 3.
-    import prmppo.stages.ppo as ppo_stage
+    import prmppo.stages.ppo_training as ppo_training
 
-    accuracies, real_canary = iter([0.5, 0.9, 0.3, 1.0]), ppo_stage._canary
+    accuracies, real_canary = iter([0.5, 0.9, 0.3, 1.0]), ppo_training._canary
 
     def scripted_canary(*args, **kwargs):
         canary = real_canary(*args, **kwargs)
         canary.evaluate = lambda problems: next(accuracies)
         return canary
 
-    monkeypatch.setattr(ppo_stage, "_canary", scripted_canary)
+    monkeypatch.setattr(ppo_training, "_canary", scripted_canary)
     run_dir = tmp_path / "run"
     cfg = compose_config(["debug=smoke", f"artifacts_dir={tmp_path / 'artifacts'}", "stage=ppo", "ppo.iterations=4",
                           "ppo.keep_checkpoints=1", "canary.every=1", "canary.max_drop=0.1", "canary.n_problems=2"],

@@ -5,7 +5,7 @@ import torch
 
 from prmppo.errors import PrmppoError
 from prmppo.models.tiny import build_char_tokenizer
-from prmppo.stages.sft import IGNORE, SFTBatchSource
+from prmppo.stages.sft_training import IGNORE, SFTBatchSource
 from prmppo.tasks import ArithTask
 
 

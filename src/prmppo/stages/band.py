@@ -44,21 +44,22 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig
 
 from prmppo import artifacts
 from prmppo.config.build import build
+from prmppo.distributed.ranks import OneProcess
 from prmppo.errors import DataError, DataFileMissing
 from prmppo.guards.gates import check_rollout_engine, verifier_receipt
 from prmppo.logger.console import progress
 from prmppo.models.loading import load_tokenizer
 from prmppo.rollout.protocol import RolloutRequest, WeightsSpec
-from prmppo.stages.common import head_dim, open_metrics, write_stage_result
-from prmppo.stages.sft import ensure_sft
+from prmppo.stages.common import BAND_FILE, Made, head_dim, make_or_reuse, open_metrics, write_stage_result
+from prmppo.stages.sft_training import ensure_sft
 
 log = logging.getLogger("prmppo")
 
-BAND_FILE = "band.jsonl"
 PASS_RATES_FILE = "pass_rates.jsonl"
 ROW_TYPES: dict[str, tuple[type, ...]] = {"problem": (str,), "passes": (int,), "k": (int,),
                                           "pass_rate": (int, float), "seed": (int,), "checkpoint": (str,)}
@@ -282,19 +283,18 @@ def band_summary(rows: list[BandRow], kept: list[BandRow], low: float, high: flo
 
 
 def ensure_band(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path, reuse: bool) -> tuple[Path, dict]:
-    """The band file for this config, built under its artifact lock (parallel runs that need the
-    same one wait for the first to build it, then reuse it); see `_ensure_band_locked`."""
-    with artifacts.building(artifacts.artifact_dir(cfg, "band")):
-        return _ensure_band_locked(cfg, task, run_dir, sft_checkpoint, reuse)
-
-
-def _ensure_band_locked(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path, reuse: bool) -> tuple[Path, dict]:
     """(this config's band file, summary): reused when `reuse` and the artifact exists, else measured on
-    `sft_checkpoint` and published."""
-    final = artifacts.artifact_dir(cfg, "band")
-    if reuse and artifacts.artifact_ready(final):
-        log.info("reusing band %s (same task/model/sft/band config)", final)
-        return final / BAND_FILE, {"reused": True, "band_file": str(final / BAND_FILE)}
+    `sft_checkpoint` and published (`make_or_reuse`: under the artifact's build lock, so parallel runs that
+    need the same one wait for the first to build it). One process measures it (rank 0 under several ranks,
+    while the others wait)."""
+    alone = OneProcess(torch.device(cfg.topology.train_device))
+    final, summary = make_or_reuse(cfg, "band", alone, lambda final: _measure_band(cfg, task, run_dir, sft_checkpoint,
+                                                                                   final), reuse)
+    return final / BAND_FILE, summary
+
+
+def _measure_band(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path, final: Path) -> Made:
+    """Steps 1-4 on `sft_checkpoint`, logged; `save` writes step 5's files."""
     b = cfg.band
     log.info("measuring pass rates on %s: %d train prompts x %d samples via the %s engine", sft_checkpoint,
              b.problems, b.k, cfg.rollout.engine)
@@ -313,11 +313,12 @@ def _ensure_band_locked(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Pa
     if len(kept) < cfg.ppo.prompts_per_iteration:
         log.warning("the band holds %d prompts, fewer than ppo.prompts_per_iteration=%d: PPO will refuse it",
                     len(kept), cfg.ppo.prompts_per_iteration)
-    tmp = artifacts.staging_dir(final)
-    write_rows(tmp / PASS_RATES_FILE, rows)
-    write_rows(tmp / BAND_FILE, kept)
-    artifacts.publish(tmp, final, cfg, "band", summary)
-    return final / BAND_FILE, summary
+
+    def save(_, tmp: Path) -> None:
+        write_rows(tmp / PASS_RATES_FILE, rows)
+        write_rows(tmp / BAND_FILE, kept)
+
+    return Made(summary, save)
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict:

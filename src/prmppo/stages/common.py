@@ -1,9 +1,11 @@
-"""Plumbing every stage shares: the training device, the metrics logger, `run_info.json` and
-`stage_result.json`, and the evaluation of a checkpoint on the test split. Stages read the config;
-what they call takes values."""
+"""Plumbing every stage shares: the training device and ranks, making or reusing an artifact
+(`make_or_reuse`), the metrics logger, `run_info.json` and `stage_result.json`, and the evaluation of
+a checkpoint (or of SFT and PPO side by side) on the test split. Stages read the config; what they
+call takes values."""
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import socket
@@ -11,10 +13,12 @@ import subprocess
 import time
 from importlib import metadata
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from prmppo import artifacts
 from prmppo.config.validate import inert_keys, wandb_key_configured
 from prmppo.distributed.launch import init_ranks
 from prmppo.errors import PrmppoError
@@ -22,6 +26,13 @@ from prmppo.evaluation import score
 from prmppo.logger import MetricsLogger, write_json_atomic
 from prmppo.models.loading import load_model, load_tokenizer
 from prmppo.rollout.vllm_engine import model_head_dim
+
+log = logging.getLogger("prmppo")
+
+BAND_FILE = "band.jsonl"  # the band artifact's file of kept prompts (stages/band.py)
+# a reused artifact as its log line and its stage's summary name it: (what, summary key, file inside the dir)
+REUSED = {"sft": ("SFT checkpoint", "checkpoint", ""), "prm": ("PRM", "prm_dir", ""),
+          "band": ("band", "band_file", BAND_FILE)}
 
 
 def train_device(cfg: DictConfig) -> torch.device:
@@ -37,6 +48,41 @@ def open_ranks(cfg: DictConfig, run_dir: Path):
     under torchrun (`topology=fsdp`: joins the process group). Close them with `distributed.launch.close_ranks`."""
     train_device(cfg)  # a CUDA device that is not there is refused here
     return init_ranks(cfg.topology.name, cfg.topology.train_device, run_dir)
+
+
+class Made(NamedTuple):
+    """An artifact just built, not yet published: its summary; `save(full, tmp)`, which writes it into the
+    staging dir on rank 0; and `full()`, the trained model with its full weights on rank 0 (a collective
+    under several ranks: `ranks.shard`'s), nothing for an artifact of plain files."""
+
+    summary: dict
+    save: Callable[[object, Path], None]
+    full: Callable[[], object] = lambda: None
+
+
+def make_or_reuse(cfg: DictConfig, stage: str, ranks, build: Callable[[Path], Made],
+                  reuse: bool = True) -> tuple[Path, dict]:
+    """(this config's `stage` artifact dir, its summary). 1. lock: rank 0 takes the artifact's build lock,
+    so parallel runs that need the same artifact wait for the first to build it; 2. reuse it when `reuse`
+    and it exists (rank 0's word, on every rank); else 3. `build(final)` on every rank (data parallel under
+    `topology=fsdp`) and 4. publish: the full weights gathered, rank 0 writes and seals the artifact while
+    the others wait."""
+    final = artifacts.artifact_dir(cfg, stage)
+    with artifacts.building_on_main(final, ranks.is_main):
+        if ranks.from_main(lambda: reuse and artifacts.artifact_ready(final)):
+            what, key, file = REUSED[stage]
+            sections = "/".join(name for name in artifacts.ARTIFACT_SECTIONS[stage] if name != "seed")
+            log.info("reusing %s %s (same %s config)", what, final, sections)
+            return final, {"reused": True, key: str(final / file) if file else str(final)}
+        made = build(final)
+
+        def write(full) -> None:
+            tmp = artifacts.staging_dir(final)
+            made.save(full, tmp)
+            artifacts.publish(tmp, final, cfg, stage, made.summary)
+
+        ranks.publish(made.full, write)
+    return final, made.summary
 
 
 def head_dim(architecture: dict | None) -> int | None:
@@ -148,3 +194,22 @@ def evaluate_checkpoint(cfg: DictConfig, task, checkpoint: Path) -> dict:
                    max_new_tokens=cfg.eval.max_new_tokens, batch_rows=cfg.eval.batch_rows, seed=cfg.seed,
                    show_progress=cfg.logger.console, per_problem=True)
     return {"checkpoint": str(checkpoint), **result, "eval_seconds": time.time() - start}
+
+
+def without_problems(result: dict) -> dict:
+    """An evaluation without its per-problem outcomes: those live in eval.json alone, not in every summary."""
+    return {key: value for key, value in result.items() if key != "problems"}
+
+
+def side_by_side(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path, ppo_checkpoint: Path) -> dict:
+    """Both policies evaluated on the test split and `delta` = PPO - SFT; written to eval.json."""
+    evaluation = {"sft": evaluate_checkpoint(cfg, task, sft_checkpoint),
+                  "ppo": evaluate_checkpoint(cfg, task, ppo_checkpoint)}
+    delta = {key: evaluation["ppo"][key] - evaluation["sft"][key]
+             for key in evaluation["sft"] if key.endswith("accuracy") or key.startswith("pass@")}
+    with open_metrics(cfg, run_dir, "eval") as logger:
+        for name, result in evaluation.items():
+            logger.log(0, {f"eval/{name}/{k}": v for k, v in result.items() if isinstance(v, float)}, echo=True)
+        logger.log(0, {f"eval/delta/{k}": v for k, v in delta.items()}, echo=True)
+    write_json_atomic(run_dir / "eval.json", {**evaluation, "delta": delta})
+    return {"eval": {name: without_problems(result) for name, result in evaluation.items()}, "delta": delta}

@@ -4,10 +4,10 @@ and pass@k on the test split.
     python -m prmppo stage=eval eval.checkpoint=runs/default/<time>/checkpoints/final eval.k=16
     python -m prmppo stage=eval                     # this config's SFT and PPO artifacts, when they exist
 
-`side_by_side` is the pipeline's last step: the SFT and PPO policies on the same problems, and
-their difference. eval.json also keeps, per policy, every test problem's outcomes (`problems`: index,
-id, difficulty, greedy verdict, right samples of k), so that reports can resample prompts as well as
-seeds; the stage summaries leave them out.
+The pipeline's last step evaluates the SFT and PPO policies side by side on the same problems,
+with their difference (`stages/common.py side_by_side`). eval.json also keeps, per policy, every
+test problem's outcomes (`problems`: index, id, difficulty, greedy verdict, right samples of k), so
+that reports can resample prompts as well as seeds; the stage summaries leave them out.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from prmppo.config.build import build
 from prmppo.errors import PrmppoError
 from prmppo.logger import write_json_atomic
 from prmppo.models.loading import check_model_dir
-from prmppo.stages.common import evaluate_checkpoint, open_metrics, write_stage_result
+from prmppo.stages.common import evaluate_checkpoint, open_metrics, without_problems, write_stage_result
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict:
@@ -47,22 +47,3 @@ def run(cfg: DictConfig, run_dir: Path) -> dict:
     summary = {name: without_problems(result) for name, result in summary.items()}
     write_stage_result(run_dir, cfg, "eval", summary)
     return summary
-
-
-def without_problems(result: dict) -> dict:
-    """An evaluation without its per-problem outcomes: those live in eval.json alone, not in every summary."""
-    return {key: value for key, value in result.items() if key != "problems"}
-
-
-def side_by_side(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path, ppo_checkpoint: Path) -> dict:
-    """Both policies evaluated on the test split and `delta` = PPO - SFT; written to eval.json."""
-    evaluation = {"sft": evaluate_checkpoint(cfg, task, sft_checkpoint),
-                  "ppo": evaluate_checkpoint(cfg, task, ppo_checkpoint)}
-    delta = {key: evaluation["ppo"][key] - evaluation["sft"][key]
-             for key in evaluation["sft"] if key.endswith("accuracy") or key.startswith("pass@")}
-    with open_metrics(cfg, run_dir, "eval") as logger:
-        for name, result in evaluation.items():
-            logger.log(0, {f"eval/{name}/{k}": v for k, v in result.items() if isinstance(v, float)}, echo=True)
-        logger.log(0, {f"eval/delta/{k}": v for k, v in delta.items()}, echo=True)
-    write_json_atomic(run_dir / "eval.json", {**evaluation, "delta": delta})
-    return {"eval": {name: without_problems(result) for name, result in evaluation.items()}, "delta": delta}

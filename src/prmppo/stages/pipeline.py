@@ -27,14 +27,15 @@ from omegaconf import DictConfig
 
 from prmppo.config.build import build
 from prmppo.distributed.launch import close_ranks
-from prmppo.stages import band as band_stage, eval as eval_stage, ppo
-from prmppo.stages.common import open_ranks, write_stage_result
+from prmppo.stages.common import open_ranks, side_by_side, write_stage_result
+from prmppo.stages.inputs import PPOInputs, checks_before_weights, ppo_inputs
+from prmppo.stages.ppo_training import publish_policy, train_ppo
 
 
-def _finish(cfg: DictConfig, task, run_dir: Path, made: ppo.PPOInputs, ppo_summary: dict, start: float) -> dict:
+def _finish(cfg: DictConfig, task, run_dir: Path, made: PPOInputs, ppo_summary: dict, start: float) -> dict:
     """Publish the policy, evaluate SFT and PPO side by side, write `stage_result.json` (one process)."""
-    ppo.publish_policy(cfg, Path(ppo_summary["checkpoint"]), ppo_summary)
-    compared = eval_stage.side_by_side(cfg, task, run_dir, made.sft_dir, Path(ppo_summary["checkpoint"]))  # 5. eval
+    publish_policy(cfg, Path(ppo_summary["checkpoint"]), ppo_summary)
+    compared = side_by_side(cfg, task, run_dir, made.sft_dir, Path(ppo_summary["checkpoint"]))  # 5. eval
     summary = {"sft": made.sft, "prm": made.prm, "band": ppo_summary["band"], "ppo": ppo_summary, **compared,
                "wall_seconds": time.time() - start}
     write_stage_result(run_dir, cfg, "pipeline", summary)
@@ -44,12 +45,11 @@ def _finish(cfg: DictConfig, task, run_dir: Path, made: ppo.PPOInputs, ppo_summa
 def run(cfg: DictConfig, run_dir: Path) -> dict:
     start = time.time()
     task = build(cfg.task, "task")
-    gates = ppo.early_gates(cfg, task)  # refuse in seconds, before any weights
-    band = band_stage.existing_band(cfg, task)  # band.file, or this config's band artifact when it exists
+    gates, band = checks_before_weights(cfg, task)  # refuse in seconds, before any weights; a band that exists
     ranks = open_ranks(cfg, run_dir)
     try:
-        made = ppo.ppo_inputs(cfg, task, run_dir, ranks, band)  # 1. warm start, 2. PRM when needed, 3. band
-        ppo_summary = ppo.train_ppo(cfg, task, made.sft_dir, run_dir, gates, made.prm_dir, made.band, ranks)  # 4.
+        made = ppo_inputs(cfg, task, run_dir, ranks, band)  # 1. warm start, 2. PRM when needed, 3. band
+        ppo_summary = train_ppo(cfg, task, made.sft_dir, run_dir, gates, made.prm_dir, made.band, ranks)  # 4.
         return ranks.from_main(lambda: _finish(cfg, task, run_dir, made, ppo_summary, start))  # 5. on rank 0
     finally:
         close_ranks(ranks)

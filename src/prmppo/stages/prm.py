@@ -61,22 +61,20 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from prmppo import artifacts
 from prmppo.config.build import build
 from prmppo.distributed.launch import close_ranks
-from prmppo.distributed.ranks import OneProcess, TorchRanks
-from prmppo.distributed.shard import GatheredModel, check_same_weights, clip_global_norm, shard_model
+from prmppo.distributed.ranks import OneProcess
+from prmppo.distributed.shard import clip_global_norm
 from prmppo.guards.gates import check_label_source
-from prmppo.logger import DiscardMetrics
 from prmppo.logger.console import log_milestone, progress as progress_bar
-from prmppo.models.loading import DTYPES, load_model, load_tokenizer
+from prmppo.models.loading import DTYPES, load_tokenizer
 from prmppo.models.prm import (LearnedStepScorer, make_head, new_prm, prm_step_logits, reference_token_logprobs,
                                save_prm)
 from prmppo.ppo.batch import collate, pad_floats
 from prmppo.ppo.maths import make_scheduler
 from prmppo.rewards.steps import StepBoundaries, align_step_labels
-from prmppo.stages.common import open_metrics, open_ranks, train_device, write_stage_result
-from prmppo.stages.sft import ensure_sft
+from prmppo.stages.common import Made, make_or_reuse, open_metrics, open_ranks, train_device, write_stage_result
+from prmppo.stages.sft_training import ensure_sft
 from prmppo.models.prm_labels import (PolicySampler, StepExample, corrupt_at_random_step, encode_solution,
                                       make_step_labels, row_step_ends)
 
@@ -323,12 +321,13 @@ def _label_stats(examples: list[StepExample]) -> dict[str, float]:
 
 def ensure_prm(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path, reuse: bool,
                ranks=None) -> tuple[Path, dict]:
-    """The PRM artifact for this config, built under its artifact lock (parallel runs that need the
-    same one wait for the first to build it, then reuse it); see `_ensure_prm_locked`. `ranks`: one
-    process when None; under `topology=fsdp` every rank calls this and rank 0 alone takes the lock."""
+    """The PRM artifact for this config and its summary: reused when `reuse` and it exists, else trained on
+    `sft_checkpoint` and published (`make_or_reuse`: under the artifact's build lock, so parallel runs that
+    need the same one wait for the first to build it). `ranks`: one process when None; under
+    `topology=fsdp` every rank calls this."""
     ranks = ranks if ranks is not None else OneProcess(train_device(cfg))
-    with artifacts.building_on_main(artifacts.artifact_dir(cfg, "prm"), ranks.is_main):
-        return _ensure_prm_locked(cfg, task, run_dir, sft_checkpoint, reuse, ranks)
+    return make_or_reuse(cfg, "prm", ranks, lambda final: _train(cfg, task, run_dir, sft_checkpoint, ranks, final),
+                         reuse)
 
 
 def _samples(cfg: DictConfig, task, tokenizer, model, boundaries, rng: random.Random, show_progress: bool):
@@ -350,23 +349,17 @@ def _samples(cfg: DictConfig, task, tokenizer, model, boundaries, rng: random.Ra
     return examples, candidates, rng.getstate()
 
 
-def _ensure_prm_locked(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path, reuse: bool,
-                       ranks) -> tuple[Path, dict]:
-    """The PRM artifact for this config: reused when `reuse` and it exists (rank 0's word), else trained on
-    `sft_checkpoint`."""
-    final = artifacts.artifact_dir(cfg, "prm")
-    if ranks.from_main(lambda: reuse and artifacts.artifact_ready(final)):
-        log.info("reusing PRM %s (same task/model/sft/prm_train config)", final)
-        return final, {"reused": True, "prm_dir": str(final)}
-    p, device, sharded = cfg.prm_train, ranks.device, isinstance(ranks, TorchRanks)
+def _train(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path, ranks, final: Path) -> Made:
+    """Steps 1-3 on every rank (the PRM sharded under several ranks), ready to publish (step 4)."""
+    p, device = cfg.prm_train, ranks.device
     tokenizer = load_tokenizer(sft_checkpoint)
-    model = load_model(sft_checkpoint, "float32" if sharded else cfg.model.dtype, device)  # N ranks: fp32 masters
+    model = ranks.load_for_training(sft_checkpoint, cfg.model.dtype)
     boundaries = StepBoundaries.from_tokenizer(tokenizer, task.step_delimiter)
     rng = random.Random(f"{cfg.seed}-prm")
     summary: dict = {"prm_dir": str(final), "sft_checkpoint": str(sft_checkpoint)}
     log.info("training the PRM on %s: labels from %s on %d problems, then %d steps x %d responses",
              sft_checkpoint, p.label_source, p.train_problems, p.steps, p.batch_rows)
-    with open_metrics(cfg, run_dir, "prm") if ranks.is_main else DiscardMetrics() as logger:
+    with ranks.main_metrics(lambda: open_metrics(cfg, run_dir, "prm")) as logger:
         start = time.time()
         sampled = _samples(cfg, task, tokenizer, model, boundaries, rng, logger.console)  # on every rank
         examples, candidates, rng_state = ranks.from_main(lambda: sampled)  # rank 0's, on every rank
@@ -374,29 +367,25 @@ def _ensure_prm_locked(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Pat
         summary["labels"] = {**_label_stats(examples), "seconds": time.time() - start}
         peft_model = new_prm(model, r=p.r, alpha=p.alpha, target_modules=list(p.target_modules), init_seed=cfg.seed)
         head = make_head(p.head, model.config.hidden_size, tokenizer, p.good_token, p.bad_token).to(device)
-        gathered = None
-        if sharded:
-            check_same_weights([peft_model, head], ranks)
-            gathered = GatheredModel(peft_model, ranks)  # rank 0's plain copy, made before sharding
-            shard_model(peft_model, DTYPES[cfg.model.dtype])
+        full = ranks.shard(peft_model, DTYPES[cfg.model.dtype], also_check=(head,))
         summary["train"] = train_prm(peft_model, head, examples, steps=p.steps, batch_rows=p.batch_rows, lr=p.lr,
                                      warmup_steps=p.warmup_steps, pad_token_id=tokenizer.pad_token_id,
                                      device=device, seed=cfg.seed, logger=logger, negative_weight=p.negative_weight,
                                      ranks=ranks)
-        scorer = LearnedStepScorer(peft_model, head, boundaries.delimiter_ids, boundaries.eos_token_id,
-                                   p.chunk_rows, boundaries.blank_ids)
-        start = time.time()
-        summary["eval"] = evaluate_prm(scorer, task, tokenizer, task.problems("test")[: p.eval_problems], candidates,
-                                       rng)
-        summary["eval"]["seconds"] = time.time() - start
+        summary["eval"] = _evaluate(cfg, task, tokenizer, LearnedStepScorer(
+            peft_model, head, boundaries.delimiter_ids, boundaries.eos_token_id, p.chunk_rows, boundaries.blank_ids),
+            candidates, rng)
         logger.log(p.steps, {f"prm_eval/{k}": v for k, v in summary["eval"].items()}, echo=True)
-    full = peft_model if gathered is None else gathered.full()  # a collective: every rank joins
-    if ranks.is_main:
-        tmp = artifacts.staging_dir(final)
-        save_prm(tmp, full, head)
-        artifacts.publish(tmp, final, cfg, "prm", summary)
-    ranks.barrier()  # the others return once the artifact is published
-    return final, summary
+    return Made(summary, lambda trained, tmp: save_prm(tmp, trained, head), full)
+
+
+def _evaluate(cfg: DictConfig, task, tokenizer, scorer, candidates, rng: random.Random) -> dict:
+    """3. `evaluate_prm` on the first `prm_train.eval_problems` test problems, timed."""
+    start = time.time()
+    result = evaluate_prm(scorer, task, tokenizer, task.problems("test")[: cfg.prm_train.eval_problems], candidates,
+                          rng)
+    result["seconds"] = time.time() - start
+    return result
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict:

@@ -1,9 +1,5 @@
-"""Stage `sft`: supervised warm-start of the policy on the task's worked solutions.
-
-    python -m prmppo stage=sft                      # embedded default: tiny model, arith task
-    python -m prmppo stage=sft sft.steps=3000       # longer
-    python -m prmppo stage=sft model=hf model.path=/ckpt/mistral-7b sft.steps=0   # accept as is
-    torchrun --nproc_per_node=2 -m prmppo stage=sft topology=fsdp hydra.run.dir=runs/sft2   # 2 FSDP2 ranks
+"""The SFT checkpoint every later stage starts from: supervised warm-start of the policy on the task's
+worked solutions (`ensure_sft`, reused when it exists; the `sft` stage is `stages/sft.py`).
 
 Implements next-token cross-entropy on response tokens only (prompt tokens are context, not
 targets), AdamW with a warmup-cosine schedule, batches drawn uniformly with replacement from
@@ -21,12 +17,10 @@ to float summation order; gradients are clipped on their global norm. The evalua
 rank through the sharded model, as PPO's canary does (same problems and seeds, so every rank
 generates the same tokens and FSDP's all-gathers meet); rank 0 records it. Rank 0 alone holds the
 artifact's build lock, gathers the full weights into a plain copy and publishes the HF-layout
-checkpoint (in `model.dtype`); the other ranks wait on a barrier.
+checkpoint (in `model.dtype`); the other ranks wait on a barrier (`stages/common.py make_or_reuse`).
 """
-
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,20 +29,15 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from prmppo import artifacts
 from prmppo.config.build import build
-from prmppo.distributed.launch import close_ranks
-from prmppo.distributed.ranks import OneProcess, TorchRanks
-from prmppo.distributed.shard import GatheredModel, check_same_weights, clip_global_norm, shard_model
+from prmppo.distributed.ranks import OneProcess
+from prmppo.distributed.shard import clip_global_norm
 from prmppo.errors import PrmppoError
 from prmppo.evaluation import score
 from prmppo.logger.console import log_milestone, progress as progress_bar
-from prmppo.logger import DiscardMetrics
-from prmppo.models.loading import DTYPES, load_model, load_tokenizer
+from prmppo.models.loading import DTYPES, load_tokenizer
 from prmppo.ppo.maths import make_scheduler
-from prmppo.stages.common import open_metrics, open_ranks, train_device, write_stage_result
-
-log = logging.getLogger("prmppo")
+from prmppo.stages.common import Made, make_or_reuse, open_metrics, train_device
 
 IGNORE = -100  # label of positions that carry no loss (prompt and padding)
 
@@ -154,33 +143,23 @@ def _greedy(model, tokenizer, task, problems, cfg: DictConfig, show_progress: bo
 
 
 def ensure_sft(cfg: DictConfig, task, run_dir: Path, reuse: bool, ranks=None) -> tuple[Path, dict]:
-    """The SFT checkpoint for this config, built under its artifact lock (parallel runs that need the
-    same one wait for the first to build it, then reuse it); see `_ensure_sft_locked`. `ranks`: one
-    process when None; under `topology=fsdp` every rank calls this and rank 0 alone takes the lock."""
+    """The SFT checkpoint for this config and its summary: reused when `reuse` and it exists, else trained and
+    published (`make_or_reuse`: under the artifact's build lock, so parallel runs that need the same one wait
+    for the first to build it). `ranks`: one process when None; under `topology=fsdp` every rank calls this."""
     ranks = ranks if ranks is not None else OneProcess(train_device(cfg))
-    with artifacts.building_on_main(artifacts.artifact_dir(cfg, "sft"), ranks.is_main):
-        return _ensure_sft_locked(cfg, task, run_dir, reuse, ranks)
+    return make_or_reuse(cfg, "sft", ranks, lambda final: _train(cfg, task, run_dir, ranks, final), reuse)
 
 
-def _ensure_sft_locked(cfg: DictConfig, task, run_dir: Path, reuse: bool, ranks) -> tuple[Path, dict]:
-    """The SFT checkpoint for this config: reused when `reuse` and it exists (rank 0's word), else trained."""
-    final = artifacts.artifact_dir(cfg, "sft")
-    if ranks.from_main(lambda: reuse and artifacts.artifact_ready(final)):
-        log.info("reusing SFT checkpoint %s (same task/model/sft config)", final)
-        return final, {"reused": True, "checkpoint": str(final)}
+def _train(cfg: DictConfig, task, run_dir: Path, ranks, final: Path) -> Made:
+    """The SFT policy trained on every rank (sharded under several ranks), evaluated, ready to publish."""
     source = build(cfg.model, "model source")
     init_dir = ranks.main_first(lambda: source.materialize(task, run_dir / "init_model"))  # rank 0 writes it
     tokenizer = load_tokenizer(init_dir)
-    sharded = isinstance(ranks, TorchRanks)
-    model = load_model(init_dir, "float32" if sharded else cfg.model.dtype, ranks.device)  # N ranks: fp32 masters
+    model = ranks.load_for_training(init_dir, cfg.model.dtype)
     summary: dict = {"checkpoint": str(final), "init": str(init_dir),
                      "parameters": sum(p.numel() for p in model.parameters())}
-    gathered = None
-    if sharded:
-        check_same_weights([model], ranks)
-        gathered = GatheredModel(model, ranks)  # rank 0's plain copy, made before sharding
-        shard_model(model, DTYPES[cfg.model.dtype])
-    with open_metrics(cfg, run_dir, "sft") if ranks.is_main else DiscardMetrics() as logger:
+    full = ranks.shard(model, DTYPES[cfg.model.dtype])
+    with ranks.main_metrics(lambda: open_metrics(cfg, run_dir, "sft")) as logger:
         if cfg.sft.steps > 0:
             batches = SFTBatchSource.build(task, task.problems("sft"), tokenizer,
                                            model.config.max_position_embeddings)
@@ -192,14 +171,12 @@ def _ensure_sft_locked(cfg: DictConfig, task, run_dir: Path, reuse: bool, ranks)
                 ranks=ranks))
         if cfg.sft.eval_problems > 0:
             summary.update(_evaluate(cfg, task, tokenizer, model, logger))
-    full = model if gathered is None else gathered.full()  # a collective: every rank joins
-    if ranks.is_main:
-        tmp = artifacts.staging_dir(final)
-        full.to(DTYPES[cfg.model.dtype]).save_pretrained(tmp)  # N ranks: the fp32 masters in model.dtype
+
+    def save(trained, tmp: Path) -> None:
+        trained.to(DTYPES[cfg.model.dtype]).save_pretrained(tmp)  # N ranks: the fp32 masters in model.dtype
         tokenizer.save_pretrained(tmp)
-        artifacts.publish(tmp, final, cfg, "sft", summary)
-    ranks.barrier()  # the others return once the artifact is published
-    return final, summary
+
+    return Made(summary, save, full)
 
 
 def _evaluate(cfg: DictConfig, task, tokenizer, model, logger) -> dict:
@@ -212,19 +189,3 @@ def _evaluate(cfg: DictConfig, task, tokenizer, model, logger) -> dict:
     logger.log(cfg.sft.steps, {"eval/test_greedy_accuracy": result["test"]["greedy_accuracy"],
                                "eval/sft_greedy_accuracy": result["sft_distribution"]["greedy_accuracy"]}, echo=True)
     return result
-
-
-def run(cfg: DictConfig, run_dir: Path) -> dict:
-    """Stage `sft`: a freshly trained SFT checkpoint (published as this config's artifact). Under
-    `topology=fsdp` every rank runs this (torchrun); rank 0 writes the results."""
-    start = time.time()
-    task = build(cfg.task, "task")
-    ranks = open_ranks(cfg, run_dir)
-    try:
-        _, summary = ensure_sft(cfg, task, run_dir, reuse=False, ranks=ranks)
-        summary["wall_seconds"] = time.time() - start
-        if ranks.is_main:
-            write_stage_result(run_dir, cfg, "sft", summary)
-        return summary
-    finally:
-        close_ranks(ranks)
