@@ -288,8 +288,8 @@ def ensure_band(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path, reus
     need the same one wait for the first to build it). One process measures it (rank 0 under several ranks,
     while the others wait)."""
     alone = OneProcess(torch.device(cfg.topology.train_device))
-    final, summary = make_or_reuse(cfg, "band", alone, lambda final: _measure_band(cfg, task, run_dir, sft_checkpoint,
-                                                                                   final), reuse)
+    measure = lambda out: _measure_band(cfg, task, run_dir, sft_checkpoint, out)  # noqa: E731
+    final, summary = make_or_reuse(cfg, "band", alone, measure, reuse)
     return final / BAND_FILE, summary
 
 

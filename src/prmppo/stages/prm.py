@@ -43,8 +43,8 @@ Several ranks (`topology=fsdp`, `distributed/`), step by step:
                ranks is the one-process step up to float summation order.
   3. evaluate  on every rank through the sharded PRM (forward passes only, the same rows on every
                rank, so FSDP's all-gathers meet); rank 0 records it.
-  4. publish   rank 0 alone (it alone holds the artifact's build lock): the full weights gathered into
-               its plain copy of the PeftModel, saved in the usual layout; the others wait on a barrier.
+  4. publish   rank 0 alone (`stages/common.py make_or_reuse`): the full weights gathered into its plain
+               copy of the PeftModel, saved in the usual layout; the others wait on a barrier.
 """
 
 from __future__ import annotations
@@ -326,8 +326,7 @@ def ensure_prm(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path, reuse
     need the same one wait for the first to build it). `ranks`: one process when None; under
     `topology=fsdp` every rank calls this."""
     ranks = ranks if ranks is not None else OneProcess(train_device(cfg))
-    return make_or_reuse(cfg, "prm", ranks, lambda final: _train(cfg, task, run_dir, sft_checkpoint, ranks, final),
-                         reuse)
+    return make_or_reuse(cfg, "prm", ranks, lambda out: _train(cfg, task, run_dir, sft_checkpoint, ranks, out), reuse)
 
 
 def _samples(cfg: DictConfig, task, tokenizer, model, boundaries, rng: random.Random, show_progress: bool):
@@ -372,20 +371,14 @@ def _train(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path, ranks, fi
                                      warmup_steps=p.warmup_steps, pad_token_id=tokenizer.pad_token_id,
                                      device=device, seed=cfg.seed, logger=logger, negative_weight=p.negative_weight,
                                      ranks=ranks)
-        summary["eval"] = _evaluate(cfg, task, tokenizer, LearnedStepScorer(
-            peft_model, head, boundaries.delimiter_ids, boundaries.eos_token_id, p.chunk_rows, boundaries.blank_ids),
-            candidates, rng)
+        scorer = LearnedStepScorer(peft_model, head, boundaries.delimiter_ids, boundaries.eos_token_id,
+                                   p.chunk_rows, boundaries.blank_ids)
+        start = time.time()
+        summary["eval"] = evaluate_prm(scorer, task, tokenizer, task.problems("test")[: p.eval_problems], candidates,
+                                       rng)
+        summary["eval"]["seconds"] = time.time() - start
         logger.log(p.steps, {f"prm_eval/{k}": v for k, v in summary["eval"].items()}, echo=True)
     return Made(summary, lambda trained, tmp: save_prm(tmp, trained, head), full)
-
-
-def _evaluate(cfg: DictConfig, task, tokenizer, scorer, candidates, rng: random.Random) -> dict:
-    """3. `evaluate_prm` on the first `prm_train.eval_problems` test problems, timed."""
-    start = time.time()
-    result = evaluate_prm(scorer, task, tokenizer, task.problems("test")[: cfg.prm_train.eval_problems], candidates,
-                          rng)
-    result["seconds"] = time.time() - start
-    return result
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict:
