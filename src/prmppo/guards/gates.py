@@ -1,6 +1,7 @@
 """Launch gates: cheap checks that refuse a broken setup before any model weights are loaded.
 
-Run by `stages/ppo.py::train_ppo` in cost order, after config validation (`validate.py`):
+Run in cost order after config validation (`validate.py`): 1-3 by `stages/inputs.py::early_gates`, 4 and
+the reference check by `stages/ppo_training.py::train_ppo`:
   1. `verifier_receipt`  gold solutions must verify (~100%), corrupted ones must not (~0%): a
                          verifier that passes everything or nothing would make every reward noise;
   2. `check_topology`    devices exist, world size >= 1, roles on distinct GPUs unless colocated;

@@ -1,5 +1,5 @@
 """The SFT checkpoint every later stage starts from: supervised warm-start of the policy on the task's
-worked solutions (`ensure_sft`, reused when it exists; the `sft` stage is `stages/sft.py`).
+worked solutions (`ensure_sft`, reused when it exists; the `sft` stage itself is `stages/sft.py`).
 
 Implements next-token cross-entropy on response tokens only (prompt tokens are context, not
 targets), AdamW with a warmup-cosine schedule, batches drawn uniformly with replacement from
