@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 
-from prmppo.config.schema import (ArithTaskConfig, GSM8KTaskConfig, HFModelConfig, LoraAdapterConfig,
+from prmppo.config.schema import (ArithTaskConfig, GSM8KTaskConfig, HFModelConfig, JsonlTaskConfig, LoraAdapterConfig,
                                   OutcomeRewardConfig, PPOConfig, ProcessRewardConfig, RolloutConfig, TinyModelConfig)
 from prmppo.models.loading import HFDirSource
 from prmppo.models.policy import LoraPolicy
@@ -18,10 +18,11 @@ from prmppo.rewards.prm import ProcessReward
 from prmppo.rollout.client import RolloutClient
 from prmppo.tasks.arith import parse_difficulty, ArithTask
 from prmppo.tasks.gsm8k import GSM8KTask
+from prmppo.tasks.jsonl import JsonlTask
 
 PAIRS = [(ArithTask, ArithTaskConfig), (GSM8KTask, GSM8KTaskConfig), (TinyModelSource, TinyModelConfig),
          (HFDirSource, HFModelConfig), (OutcomeReward, OutcomeRewardConfig), (ProcessReward, ProcessRewardConfig),
-         (LoraPolicy, LoraAdapterConfig)]
+         (LoraPolicy, LoraAdapterConfig), (JsonlTask, JsonlTaskConfig)]
 
 
 @pytest.mark.parametrize("component,schema", PAIRS, ids=[c.__name__ for c, _ in PAIRS])
