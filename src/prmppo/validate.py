@@ -18,11 +18,14 @@ from __future__ import annotations
 
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
 from prmppo.config.build import build_quietly, check_targets
-from prmppo.config.schema import ArithTaskConfig, HFModelConfig, JsonlTaskConfig, LoraAdapterConfig
+from prmppo.config.schema import (ArithTaskConfig, ExternalProcessRewardConfig, HFModelConfig, JsonlTaskConfig,
+                                  LoraAdapterConfig)
 from prmppo.config.validate import config_problems
 from prmppo.errors import ConfigError
+from prmppo.models.external_prm import PRM_FORMATS
 from prmppo.models.loading import DTYPES
 from prmppo.models.prm_heads import HEAD_TYPES
 from prmppo.models.prm_labels import ESTIMATIONS, LABEL_SOURCES
@@ -64,6 +67,7 @@ CHOICE_HOMES = {
 # the group's schema is that option's
 OPTION_CHOICE_HOMES = {
     ("task", JsonlTaskConfig): {"checker": CHECKERS, "bad_rows": BAD_ROWS},
+    ("reward", ExternalProcessRewardConfig): {"format": tuple(PRM_FORMATS), "dtype": tuple(DTYPES)},
 }
 
 
@@ -138,6 +142,8 @@ def validate_config(cfg: DictConfig) -> None:
         build_quietly(cfg.reward, seed=cfg.seed)
     except ConfigError as err:
         problems.append(str(err))
+    except MissingMandatoryValue:
+        pass  # a reward key left `???` (reward=prm_external's path): config_problems names it
     _check_task(problems, cfg.task)
     if problems:
         raise ConfigError("invalid config: " + "; ".join(problems))

@@ -32,7 +32,8 @@ ALONGSIDE: dict[tuple[str, str], list[str]] = {}
 # options that leave a key without a default (`???`) for the user to give
 NEEDS = {("model", "hf"): ["model.path=/nonexistent/checkpoint"],
          ("experiment", "math_shepherd_gsm8k"): ["model.path=/nonexistent/checkpoint"],
-         ("task", "jsonl"): ["task.train_path=/nonexistent/train.jsonl", "task.test_path=/nonexistent/test.parquet"]}
+         ("task", "jsonl"): ["task.train_path=/nonexistent/train.jsonl", "task.test_path=/nonexistent/test.parquet"],
+         ("reward", "prm_external"): ["reward.path=/nonexistent/prm"]}
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])

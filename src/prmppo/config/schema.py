@@ -190,6 +190,22 @@ class ProcessRewardConfig(RewardConfig):
     scorer: str = "learned"
 
 
+@dataclass
+class ExternalProcessRewardConfig(ProcessRewardConfig):
+    _target_: str = "prmppo.rewards.prm_external.ExternalProcessReward"
+    # step scores from an off-the-shelf PRM checkpoint (models/external_prm.py), no PRM stage
+    scorer: str = "external"
+    # local HF-layout directory of the PRM (its own tokenizer)
+    path: str = MISSING
+    # its step format: math_shepherd (a `ки` tag after each step, read as `+` vs `-`)
+    format: str = "math_shepherd"
+    # where the PRM runs: "" = the trainer's device, or e.g. cuda:1
+    device: str = ""
+    dtype: str = "bfloat16"
+    # PRM inputs per forward
+    micro_batch_rows: int = 8
+
+
 # --------------------------------------------------------------------------- lora
 
 
@@ -329,7 +345,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "task": {"arith": ArithTaskConfig, "gsm8k": GSM8KTaskConfig, "jsonl": JsonlTaskConfig},
     "model": {"tiny": TinyModelConfig, "hf": HFModelConfig},
     "arm": {"arm": ArmConfig},
-    "reward": {"orm": OutcomeRewardConfig, "prm": ProcessRewardConfig},
+    "reward": {"orm": OutcomeRewardConfig, "prm": ProcessRewardConfig, "prm_external": ExternalProcessRewardConfig},
     "lora": {"adapter": LoraAdapterConfig, "none": FullFinetuneConfig},
     "rollout": {"rollout": RolloutConfig},
     "topology": {"topology": TopologyConfig},

@@ -21,6 +21,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
 from prmppo.config.build import build_quietly
 from prmppo.config.schema import HFModelConfig, JsonlTaskConfig
@@ -192,7 +193,7 @@ def _check_stage_splits(problems: list[str], cfg: DictConfig, world: int) -> Non
         _check_split(problems, "sft.batch_rows", cfg.sft.batch_rows, world)
     try:
         learned_prm = build_quietly(cfg.reward, seed=cfg.seed).needs_learned_prm
-    except ConfigError:  # reported by prmppo.validate, which builds the reward too
+    except (ConfigError, MissingMandatoryValue):  # reported by prmppo.validate / _check_missing
         learned_prm = False
     if cfg.stage.name == "prm" or (cfg.stage.name in ("ppo", "pipeline") and learned_prm):
         _check_split(problems, "prm_train.batch_rows", cfg.prm_train.batch_rows, world)
