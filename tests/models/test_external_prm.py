@@ -193,3 +193,16 @@ def test_math_shepherd_experiment_takes_a_public_prm_instead_of_training_one(she
     validate_config(cfg)
     assert cfg.task._target_.endswith("GSM8KTask") and cfg.reward.format == "math_shepherd"
     assert not build(cfg.reward, "reward", seed=0).needs_learned_prm  # the pipeline trains no PRM
+
+
+def test_stage_prm_evaluates_an_external_prm_like_a_trained_one(smoke_cfg, shepherd_dir):
+    cfg = smoke_cfg("stage=prm", "reward=prm_external", f"reward.path={shepherd_dir}", "reward.dtype=float32")
+    summary = run(cfg)
+    result = summary["eval"]
+    assert summary["external_prm"] == {"path": str(shepherd_dir), "format": "math_shepherd"}
+    # arith has an exact step checker: step accuracy against true labels, and best-of-N against majority vote
+    assert result["labelled_steps"] > 0 and 0 <= result["step_accuracy"] <= 1 and "first_error_f1" in result
+    assert result["bon/best_of_n"] == cfg.prm_train.best_of_n
+    assert {"bon/min_accuracy", "bon/product_accuracy", "bon/majority_accuracy"} <= set(result)
+    assert not list(Path(cfg.artifacts_dir).glob("prm-*"))  # nothing trained, nothing published
+    assert json.loads((Path(cfg.run_dir) / "stage_result.json").read_text())["stage"] == "prm"

@@ -66,7 +66,6 @@ from prmppo.config.build import build
 from prmppo.dist.launch import close_ranks
 from prmppo.dist.ranks import OneProcess, TorchRanks
 from prmppo.dist.shard import GatheredModel, check_same_weights, clip_global_norm, shard_model
-from prmppo.guards.gates import check_label_source
 from prmppo.logger import DiscardMetrics
 from prmppo.logger.console import log_milestone, progress as progress_bar
 from prmppo.models.loading import DTYPES, load_model, load_tokenizer
@@ -76,6 +75,7 @@ from prmppo.ppo.batch import collate, pad_floats
 from prmppo.ppo.maths import make_scheduler
 from prmppo.rewards.steps import StepBoundaries, align_step_labels
 from prmppo.stages.common import open_metrics, open_ranks, train_device, write_stage_result
+from prmppo.stages.prm_external import evaluate_external_prm, prm_launch_gate
 from prmppo.stages.sft import ensure_sft
 from prmppo.models.prm_labels import (PolicySampler, StepExample, corrupt_at_random_step, encode_solution,
                                       make_step_labels, row_step_ends)
@@ -400,16 +400,16 @@ def _ensure_prm_locked(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Pat
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict:
-    """Stage `prm`: the SFT checkpoint (reused or trained), then a freshly trained PRM. Under `topology=fsdp`
-    every rank runs this (torchrun); rank 0 writes the results."""
-
+    """Stage `prm`: the SFT checkpoint (reused or trained), then a freshly trained PRM, or reward=prm_external's
+    checkpoint evaluated instead. Under `topology=fsdp` every rank runs this (torchrun); rank 0 writes the results."""
     start = time.time()
     task = build(cfg.task, "task")
-    check_label_source(task, cfg.prm_train.label_source)  # refused before SFT or any weights
+    external = prm_launch_gate(cfg, task)  # before SFT or any weights: the label source, or the external PRM
     ranks = open_ranks(cfg, run_dir)
     try:
         sft_checkpoint, _ = ensure_sft(cfg, task, run_dir, reuse=True, ranks=ranks)
-        _, summary = ensure_prm(cfg, task, run_dir, sft_checkpoint, reuse=False, ranks=ranks)
+        summary = (evaluate_external_prm(cfg, task, run_dir, external, sft_checkpoint, evaluate_prm) if external
+                   else ensure_prm(cfg, task, run_dir, sft_checkpoint, reuse=False, ranks=ranks)[1])
         summary["wall_seconds"] = time.time() - start
         if ranks.is_main:
             write_stage_result(run_dir, cfg, "prm", summary)
