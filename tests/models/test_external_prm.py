@@ -21,7 +21,7 @@ from prmppo.app import run
 from prmppo.config.build import build
 from prmppo.errors import PrmppoError
 from prmppo.guards.gates import check_step_scorer
-from prmppo.models.external_prm import (ExternalPRMError, ExternalStepScorer, MathShepherdFormat,
+from prmppo.models.external_prm import (ExternalPRMError, ExternalStepScorer, MathShepherdFormat, QwenPRMFormat,
                                         check_external_prm, load_external_scorer)
 from prmppo.models.tiny import build_char_tokenizer
 from prmppo.tasks.base import Problem
@@ -58,36 +58,61 @@ def policy_batch(tokenizer):
     return SimpleNamespace(problems=problems, response_ids=ids, response_mask=mask)
 
 
-class ScriptedPRM(nn.Module):
-    """Logits that put P(good) = SCRIPT[row][k] at the k-th step tag of each row (log-odds on the label pair)."""
+QWEN_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
 
-    def __init__(self, tag_id: int, good_id: int, bad_id: int, vocab: int, script: list[list[float]]):
+
+def qwen_tokenizer():
+    tokenizer = build_char_tokenizer(PRM_ALPHABET)
+    tokenizer.add_tokens(["<extra_0>"])
+    tokenizer.chat_template = QWEN_TEMPLATE
+    return tokenizer
+
+
+class ScriptedPRM(nn.Module):
+    """Logits [b, L, width] that put P(good) = SCRIPT[row][k] at the k-th step marker of each row, as log-odds of
+    the (good, bad) pair: the LM's `+` / `-` ids for math_shepherd, the head's classes 1 / 0 for qwen_prm."""
+
+    def __init__(self, tag_id: int, good: int, bad: int, width: int, script: list[list[float]]):
         super().__init__()
         self.anchor = nn.Parameter(torch.zeros(1))  # gives the scorer a device to read
-        self.tag_id, self.good_id, self.bad_id, self.vocab, self.script = tag_id, good_id, bad_id, vocab, script
+        self.tag_id, self.good, self.bad, self.width, self.script = tag_id, good, bad, width, script
         self.rows_seen: list[list[int]] = []
 
     def forward(self, input_ids, attention_mask):
-        logits = torch.zeros(*input_ids.shape, self.vocab)  # [b, L, V]
+        logits = torch.zeros(*input_ids.shape, self.width)  # [b, L, width]
         for b, row in enumerate(input_ids.tolist()):
             self.rows_seen.append(row)
             scores = iter(self.script[len(self.rows_seen) - 1])
             for position, token in enumerate(row):
                 if token == self.tag_id and attention_mask[b, position]:
                     p = next(scores)
-                    logits[b, position, self.good_id] = math.log(p)
-                    logits[b, position, self.bad_id] = math.log(1 - p)
+                    logits[b, position, self.good] = math.log(p)
+                    logits[b, position, self.bad] = math.log(1 - p)
         return SimpleNamespace(logits=logits)
 
 
+def scripted(kind: str):
+    """(PRM tokenizer, format, scripted model, the PRM text each row must become) of one step format."""
+    if kind == "math_shepherd":
+        prm = prm_tokenizer()
+        tag, good, bad = (prm(t, add_special_tokens=False)["input_ids"][0] for t in ("ки", "+", "-"))
+        texts = ["q1? 1+2=3 ки\n3+4=7 ки\nAnswer: 7 ки\n", "q2? 5-1=4 ки\nAnswer: 4 ки\n"]
+        return prm, MathShepherdFormat(), ScriptedPRM(tag, good, bad, len(prm), SCRIPT), texts
+    prm = qwen_tokenizer()
+    tag = prm("<extra_0>", add_special_tokens=False)["input_ids"][0]
+    system = QwenPRMFormat().system_prompt
+    texts = [f"<|system|>\n{system}\n<|user|>\nq1?\n<|assistant|>\n1+2=3<extra_0>3+4=7<extra_0>Answer: 7<extra_0>\n",
+             f"<|system|>\n{system}\n<|user|>\nq2?\n<|assistant|>\n5-1=4<extra_0>Answer: 4<extra_0>\n"]
+    return prm, QwenPRMFormat(), ScriptedPRM(tag, 1, 0, 2, SCRIPT), texts
+
+
+@pytest.mark.parametrize("kind", ["math_shepherd", "qwen_prm"])
 @pytest.mark.parametrize("micro_batch_rows", [1, 2])
-def test_scripted_step_scores_land_on_hand_counted_policy_tokens(micro_batch_rows):
-    policy, prm = policy_tokenizer(), prm_tokenizer()
+def test_scripted_step_scores_land_on_hand_counted_policy_tokens(kind, micro_batch_rows):
+    policy = policy_tokenizer()
+    prm, fmt, model, texts = scripted(kind)
     assert policy("7")["input_ids"] != prm("7")["input_ids"]  # unlike tokenizers: steps travel as text
-    ids = {name: prm(text, add_special_tokens=False)["input_ids"][0] for name, text in
-           (("tag", "ки"), ("good", "+"), ("bad", "-"))}
-    model = ScriptedPRM(ids["tag"], ids["good"], ids["bad"], len(prm), SCRIPT)
-    scorer = ExternalStepScorer(model, prm, MathShepherdFormat(), policy, "\n", micro_batch_rows)
+    scorer = ExternalStepScorer(model, prm, fmt, policy, "\n", micro_batch_rows)
     batch = policy_batch(policy)
     scores, ends = scorer.score(batch)
     assert [row.nonzero().squeeze(-1).tolist() for row in ends] == STEP_ENDS
@@ -95,10 +120,10 @@ def test_scripted_step_scores_land_on_hand_counted_policy_tokens(micro_batch_row
     for row, (positions, values) in enumerate(zip(STEP_ENDS, SCRIPT)):
         expected[row, positions] = torch.tensor(values)
     torch.testing.assert_close(scores, expected)
-    # what the PRM read: each response rebuilt in Math-Shepherd's format
-    texts = [prm.decode(row, skip_special_tokens=True) for row in model.rows_seen]
-    assert texts[0].startswith("q1? 1+2=3 ки\n3+4=7 ки\nAnswer: 7 ки\n")
-    assert texts[1].startswith("q2? 5-1=4 ки\nAnswer: 4 ки\n")
+    # what the PRM read: each response rebuilt in the format (characters outside its alphabet read as <unk>)
+    for row, text in zip(model.rows_seen, texts):
+        ids = prm(text)["input_ids"]
+        assert row[:len(ids)] == ids and all(t == prm.pad_token_id for t in row[len(ids):])
 
 
 def test_a_step_holding_the_tag_is_refused():
@@ -138,6 +163,54 @@ def test_a_tiny_math_shepherd_checkpoint_scores_like_its_own_forward(shepherd_di
     torch.testing.assert_close(two.score(batch)[0], scores, atol=1e-5, rtol=1e-5)
 
 
+def save_tiny_qwen_prm(out, head_classes: int = 2, template: bool = True):
+    """A tiny random Qwen2 base and a Linear-ReLU-Linear score head, saved in Qwen2.5-Math-PRM's layout
+    (`model.*` and `score.*` tensors, architectures Qwen2ForProcessRewardModel)."""
+    from safetensors.torch import save_file
+    from transformers import Qwen2Config, Qwen2Model
+
+    prm = qwen_tokenizer()
+    if not template:
+        prm.chat_template = None
+    config = Qwen2Config(vocab_size=len(prm), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         architectures=["Qwen2ForProcessRewardModel"], pad_token_id=prm.pad_token_id,
+                         eos_token_id=prm.eos_token_id)
+    torch.manual_seed(5)
+    base = Qwen2Model(config)
+    head = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, head_classes))
+    tensors = {f"model.{k}": v.contiguous() for k, v in base.state_dict().items()}
+    tensors.update({f"score.{k}": v.contiguous() for k, v in head.state_dict().items()})
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(out)
+    prm.save_pretrained(out)
+    return out, base.eval(), head.eval()
+
+
+def test_a_tiny_qwen_prm_checkpoint_scores_like_its_own_head(tmp_path):
+    out, base, head = save_tiny_qwen_prm(tmp_path / "qwen_prm")
+    policy = policy_tokenizer()
+    scorer = load_external_scorer(str(out), "qwen_prm", "cpu", "float32", policy, "\n", 2)
+    batch = policy_batch(policy)
+    scores, ends = scorer.score(batch)
+    prm, fmt = scorer.tokenizer, scorer.format
+    separator = prm("<extra_0>", add_special_tokens=False)["input_ids"][0]
+    for row, steps in enumerate([["1+2=3", "3+4=7", "Answer: 7"], ["5-1=4", "Answer: 4"]]):
+        ids = prm(fmt.text(prm, batch.problems[row].question, steps), return_tensors="pt")
+        with torch.no_grad():
+            logits = head(base(**ids).last_hidden_state)[0]  # [L, 2]
+        by_hand = logits[ids["input_ids"][0] == separator].softmax(-1)[:, 1]  # [steps]
+        torch.testing.assert_close(scores[row, STEP_ENDS[row]], by_hand)
+        assert (scores[row][~ends[row]] == 0).all()
+    wrong_head, _, _ = save_tiny_qwen_prm(tmp_path / "three_classes", head_classes=3)
+    with pytest.raises(ExternalPRMError, match=r"qwen_prm needs a two-class score head .* the checkpoint holds"):
+        check_external_prm(str(wrong_head), "qwen_prm")
+    no_template, _, _ = save_tiny_qwen_prm(tmp_path / "no_template", template=False)
+    with pytest.raises(ExternalPRMError, match=r"qwen_prm needs the PRM tokenizer's chat template"):
+        check_external_prm(str(no_template), "qwen_prm")
+
+
 def test_a_checkpoint_without_the_format_markers_is_refused(tmp_path):
     out = tmp_path / "not_shepherd"
     plain = build_char_tokenizer(PRM_ALPHABET)  # no "ки" token: the tag would be two characters
@@ -145,7 +218,7 @@ def test_a_checkpoint_without_the_format_markers_is_refused(tmp_path):
     plain.save_pretrained(out)
     with pytest.raises(ExternalPRMError, match=r"the step tag 'ки' is 2 tokens of this PRM's tokenizer"):
         check_external_prm(str(out), "math_shepherd")
-    with pytest.raises(ExternalPRMError, match=r"reward.format='qwen' is not one of math_shepherd"):
+    with pytest.raises(ExternalPRMError, match=r"reward.format='qwen' is not one of math_shepherd, qwen_prm"):
         check_external_prm(str(out), "qwen")
     with pytest.raises(PrmppoError, match="does not exist"):
         check_external_prm(str(tmp_path / "nowhere"), "math_shepherd")

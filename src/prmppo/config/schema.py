@@ -197,7 +197,8 @@ class ExternalProcessRewardConfig(ProcessRewardConfig):
     scorer: str = "external"
     # local HF-layout directory of the PRM (its own tokenizer)
     path: str = MISSING
-    # its step format: math_shepherd (a `ки` tag after each step, read as `+` vs `-`)
+    # its step format: math_shepherd (a `ки` tag after each step, read as `+` vs `-`) | qwen_prm (steps
+    # joined by `<extra_0>` in its chat template, a two-class head read at each)
     format: str = "math_shepherd"
     # where the PRM runs: "" = the trainer's device, or e.g. cuda:1
     device: str = ""

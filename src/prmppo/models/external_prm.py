@@ -7,23 +7,29 @@ Per batch of policy responses:
   1. step ends   from the policy's tokenizer, as for every step reward (`rewards/steps.py`): the k-th step
                  is the policy's tokens after step end k-1 up to step end k, decoded, delimiter removed;
   2. rebuild     each response in the PRM's format (`reward.format`):
-                   math_shepherd  `<question> <step 1> ки\\n<step 2> ки\\n...`: a step tag after every step;
+                   math_shepherd  `<question> <step 1> ки\\n<step 2> ки\\n...`: a tag after every step;
+                   qwen_prm       system, user question and assistant `<step 1><extra_0><step 2><extra_0>...`
+                                  through the PRM's own chat template;
   3. score       the PRM reads the text (micro-batches of `reward.micro_batch_rows`, `no_grad`, on
-                 `reward.device` or the trainer's); at the k-th tag the step score is
-                 softmax(logits[good], logits[bad])[good] (Math-Shepherd: the tokens `+` and `-`);
+                 `reward.device` or the trainer's); at the k-th marker the step score is P(good):
+                   math_shepherd  softmax over the LM logits of `+` and `-`, the `+` side;
+                   qwen_prm       softmax of the two-class `score` head, class 1;
   4. map back    score k lands on the policy's k-th step-end token; scores [B, T] zero elsewhere.
 
 The PRM and the policy need not share a tokenizer: steps travel as text. `check_external_prm` checks the
-directory, the format's marker tokens in the PRM's tokenizer (each a single token) and that the model's
-vocabulary covers them, without reading weights (a launch gate); `load_external_scorer` then loads it. Simplification: only the math_shepherd format (a causal LM read at
-its tag tokens); PRMs with a classification head (Qwen2.5-Math-PRM) need their remote code and are not
-loaded.
+directory, the format's marker tokens in the PRM's tokenizer (each a single token inside the model's
+vocabulary) and, for qwen_prm, the chat template and the score head's shapes, without reading weights (a
+launch gate); `load_external_scorer` then loads it. A qwen_prm checkpoint is loaded without its remote
+code: the base model through transformers' own classes, the `score.*` head (Linear, ReLU, Linear to 2
+classes) from its safetensors.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor
@@ -36,22 +42,6 @@ class ExternalPRMError(PrmppoError):
     """An external PRM checkpoint that cannot be used in the format asked for; the message names it."""
 
 
-@dataclass(frozen=True)
-class MathShepherdFormat:
-    """Math-Shepherd's step format: a tag token after every step, read as `+` (good) vs `-` (bad)."""
-
-    step_tag: str = "ки"
-    good_token: str = "+"
-    bad_token: str = "-"
-
-    def text(self, question: str, steps: list[str]) -> str:
-        """The PRM's input: the question, then each step followed by the tag and a newline."""
-        return f"{question} " + "".join(f"{step} {self.step_tag}\n" for step in steps)
-
-
-PRM_FORMATS = {"math_shepherd": MathShepherdFormat()}
-
-
 def single_token_id(tokenizer, text: str, what: str, where: str) -> int:
     """The id of `text` when the tokenizer writes it as one token (alone, no special tokens), else refused."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -61,18 +51,67 @@ def single_token_id(tokenizer, text: str, what: str, where: str) -> int:
     return ids[0]
 
 
+@dataclass(frozen=True)
+class MathShepherdFormat:
+    """Math-Shepherd's step format: a tag token after every step, read as `+` (good) vs `-` (bad) by the LM head."""
+
+    marker: str = "ки"
+    good_token: str = "+"
+    bad_token: str = "-"
+
+    def check(self, tokenizer, where: str) -> list[int]:
+        """The ids of the marker and the two label tokens, each refused unless a single token."""
+        return [single_token_id(tokenizer, self.marker, "step tag", where),
+                single_token_id(tokenizer, self.good_token, "good-step token", where),
+                single_token_id(tokenizer, self.bad_token, "bad-step token", where)]
+
+    def text(self, tokenizer, question: str, steps: list[str]) -> str:  # noqa: ARG002 - same signature as Qwen's
+        """The PRM's input: the question, then each step followed by the tag and a newline."""
+        return f"{question} " + "".join(f"{step} {self.marker}\n" for step in steps)
+
+    def step_probs(self, logits: Tensor, ids: list[int]) -> Tensor:
+        """P(good) [b, L] from the LM logits [b, L, V]: softmax over the (good, bad) pair."""
+        return logits[..., ids[1:]].float().softmax(-1)[..., 0]
+
+
+@dataclass(frozen=True)
+class QwenPRMFormat:
+    """Qwen2.5-Math-PRM's format: the conversation through the PRM's chat template, the assistant turn the steps
+    each followed by `<extra_0>`, read by a two-class head at each separator (class 1: a good step)."""
+
+    marker: str = "<extra_0>"
+    system_prompt: str = "Please reason step by step, and put your final answer within \\boxed{}."
+
+    def check(self, tokenizer, where: str) -> list[int]:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ExternalPRMError(f"{where}: reward.format=qwen_prm needs the PRM tokenizer's chat template, and it "
+                                   "has none")
+        return [single_token_id(tokenizer, self.marker, "step separator", where)]
+
+    def text(self, tokenizer, question: str, steps: list[str]) -> str:
+        conversation = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": question},
+                        {"role": "assistant", "content": "".join(f"{step}{self.marker}" for step in steps)}]
+        return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=False)
+
+    def step_probs(self, logits: Tensor, ids: list[int]) -> Tensor:  # noqa: ARG002 - same signature as Shepherd's
+        """P(good) [b, L] from the head's two-class logits [b, L, 2]."""
+        return logits.float().softmax(-1)[..., 1]
+
+
+PRM_FORMATS = {"math_shepherd": MathShepherdFormat(), "qwen_prm": QwenPRMFormat()}
+
+
 class ExternalStepScorer:
     """Step scores [B, T] from an external PRM (module docstring); the same contract as the trained PRM's."""
 
-    def __init__(self, model, prm_tokenizer, prm_format: MathShepherdFormat, policy_tokenizer, step_delimiter: str,
+    def __init__(self, model, prm_tokenizer, prm_format, policy_tokenizer, step_delimiter: str,
                  micro_batch_rows: int, where: str = "reward.path"):
         if micro_batch_rows < 1:
             raise ValueError(f"reward.micro_batch_rows={micro_batch_rows} must be >= 1")
         self.model, self.tokenizer, self.format = model, prm_tokenizer, prm_format
         self.policy_tokenizer, self.delimiter, self.micro_batch_rows = policy_tokenizer, step_delimiter, micro_batch_rows
-        self.tag_id = single_token_id(prm_tokenizer, prm_format.step_tag, "step tag", where)
-        self.label_ids = [single_token_id(prm_tokenizer, prm_format.good_token, "good-step token", where),
-                          single_token_id(prm_tokenizer, prm_format.bad_token, "bad-step token", where)]
+        self.format_ids = prm_format.check(prm_tokenizer, where)
+        self.tag_id = self.format_ids[0]
         self.boundaries = StepBoundaries.from_tokenizer(policy_tokenizer, step_delimiter)
 
     def step_texts(self, response_ids: list[int], end_positions: list[int]) -> list[str]:
@@ -85,11 +124,11 @@ class ExternalStepScorer:
         return steps
 
     def _encode(self, question: str, steps: list[str]) -> list[int]:
-        ids = self.tokenizer(self.format.text(question, steps))["input_ids"]
+        ids = self.tokenizer(self.format.text(self.tokenizer, question, steps))["input_ids"]
         tags = sum(i == self.tag_id for i in ids)
         if tags != len(steps):
             raise ExternalPRMError(f"the PRM's input holds {tags} step tags for {len(steps)} steps (a step's text "
-                                   f"contains the tag {self.format.step_tag!r}, or the tokenizer merged it)")
+                                   f"contains the tag {self.format.marker!r}, or the tokenizer merged it)")
         return ids
 
     @torch.no_grad()
@@ -106,7 +145,7 @@ class ExternalStepScorer:
             for i, row in enumerate(chunk):
                 ids[i, :len(row)], mask[i, :len(row)] = torch.tensor(row), 1
             logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits  # [b, L, V]
-            pair = logits[..., self.label_ids].float().softmax(-1)[..., 0].cpu()  # [b, L] P(good)
+            pair = self.format.step_probs(logits, self.format_ids).cpu()  # [b, L] P(good)
             tags = (ids == self.tag_id) & mask.bool()  # [b, L]
             out.extend(pair[i][tags[i]] for i in range(len(chunk)))
         return out
@@ -126,10 +165,68 @@ class ExternalStepScorer:
         return scores.to(ends.device), ends
 
 
+SCORE_HEAD_PREFIX = "score."  # qwen_prm: Linear(hidden, hidden), ReLU, Linear(hidden, 2) as score.0 / score.2
+
+
+def score_head_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Shapes of the `score.*` tensors in the directory's safetensors files (headers only, no weights read)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                if key.startswith(SCORE_HEAD_PREFIX):
+                    shapes[key[len(SCORE_HEAD_PREFIX):]] = tuple(handle.get_slice(key).get_shape())
+    return shapes
+
+
+def _check_score_head(path: Path, hidden_size: int, where: str) -> None:
+    want = {"0.weight": (hidden_size, hidden_size), "0.bias": (hidden_size,), "2.weight": (2, hidden_size),
+            "2.bias": (2,)}
+    found = score_head_shapes(path)
+    if found != want:
+        raise ExternalPRMError(f"{where}: reward.format=qwen_prm needs a two-class score head "
+                               f"{ {SCORE_HEAD_PREFIX + k: v for k, v in want.items()} } (hidden size {hidden_size}); "
+                               f"the checkpoint holds {found or 'no score.* tensors'}")
+
+
+class TwoClassPRM(torch.nn.Module):
+    """A base transformer and the two-class `score` head on its last hidden states (qwen_prm)."""
+
+    def __init__(self, base, score: torch.nn.Module):
+        super().__init__()
+        self.base, self.score = base, score
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor):
+        hidden = self.base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [b, L, H]
+        return SimpleNamespace(logits=self.score(hidden))  # [b, L, 2]
+
+
+def load_two_class_prm(path: Path, dtype: str, device: str) -> TwoClassPRM:
+    """The base model through transformers' own classes (no remote code) and the `score.*` head read from the
+    safetensors files."""
+    from safetensors import safe_open
+    from transformers import AutoModel
+
+    from prmppo.models.loading import DTYPES
+
+    base = AutoModel.from_pretrained(str(path), local_files_only=True, dtype=DTYPES[dtype], use_safetensors=True)
+    hidden = base.config.hidden_size
+    score = torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 2))
+    state = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            state.update({k[len(SCORE_HEAD_PREFIX):]: handle.get_tensor(k) for k in handle.keys()
+                          if k.startswith(SCORE_HEAD_PREFIX)})
+    score.load_state_dict(state)
+    return TwoClassPRM(base, score.to(DTYPES[dtype])).to(device).eval()
+
+
 def check_external_prm(path: str, prm_format: str):
     """(tokenizer, format) of the PRM checkpoint at `path`, checked without reading weights: the directory is
-    whole, the format is known, its marker tokens are single tokens of the tokenizer and inside the model's
-    vocabulary."""
+    whole, the format is known, its marker tokens are single tokens inside the model's vocabulary, and (qwen_prm)
+    the tokenizer has a chat template and the checkpoint a two-class score head of the model's width."""
     from prmppo.models.loading import check_model_dir, load_tokenizer
 
     if prm_format not in PRM_FORMATS:
@@ -138,11 +235,13 @@ def check_external_prm(path: str, prm_format: str):
     info = check_model_dir(path)
     tokenizer = load_tokenizer(Path(path))
     where = f"reward.path={path}"
-    for text, what in ((fmt.step_tag, "step tag"), (fmt.good_token, "good-step token"), (fmt.bad_token, "bad-step token")):
-        token = single_token_id(tokenizer, text, what, where)
+    for token in fmt.check(tokenizer, where):
         if token >= info.vocab_size:
-            raise ExternalPRMError(f"{where}: the {what} {text!r} has id {token}, past the model's vocab_size "
+            raise ExternalPRMError(f"{where}: the format's token id {token} is past the model's vocab_size "
                                    f"{info.vocab_size}")
+    if isinstance(fmt, QwenPRMFormat):
+        config = json.loads((Path(path) / "config.json").read_text())
+        _check_score_head(Path(path), int(config["hidden_size"]), where)
     return tokenizer, fmt
 
 
@@ -152,6 +251,9 @@ def load_external_scorer(path: str, prm_format: str, device: str, dtype: str, po
     from prmppo.models.loading import load_model
 
     tokenizer, fmt = check_external_prm(path, prm_format)
-    model = load_model(Path(path), dtype, device)
+    if isinstance(fmt, QwenPRMFormat):
+        model = load_two_class_prm(Path(path), dtype, device)
+    else:
+        model = load_model(Path(path), dtype, device)
     return ExternalStepScorer(model, tokenizer, fmt, policy_tokenizer, step_delimiter, micro_batch_rows,
                               where=f"reward.path={path}")
