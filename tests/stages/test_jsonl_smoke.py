@@ -66,3 +66,18 @@ def test_jsonl_task_with_a_chat_template_runs_sft_ppo_and_eval_under_both_arms(t
     assert made["config"]["task"]["tokenizer_path"] == str(model_dir)
     assert load_tokenizer(sft_dir).chat_template == load_tokenizer(model_dir).chat_template
     assert len(list(artifacts_dir.glob("prm-*"))) == 1  # the PRM arm trained its PRM on Monte-Carlo labels
+
+
+def test_jsonl_task_on_the_tiny_model_trains_sft_on_the_worked_solutions(smoke_cfg):
+    # the first command of docs/own_data.md, one stage of it: model=tiny (no chat template) on the fixtures
+    from prmppo.app import run
+
+    cfg = smoke_cfg("stage=sft", "task=jsonl", f"task.train_path={TRAIN}", f"task.test_path={TEST}")
+    summary = run(cfg)
+    made = json.loads((Path(cfg.run_dir) / "init_model" / "prmppo_model.json").read_text())
+    assert made["tokenizer"] == "char"  # every fixture example fits the smoke context one token per character
+    tokenizer = load_tokenizer(summary["checkpoint"])
+    task = build(cfg.task, "task")
+    text = task.format_prompt(task.problems("sft")[0]) + task.problems("sft")[0].solution
+    assert tokenizer.decode(tokenizer(text)["input_ids"], skip_special_tokens=True) == text  # no <unk>
+    assert summary["test"]["n_problems"] == 8 and 0 <= summary["test"]["greedy_accuracy"] <= 1
