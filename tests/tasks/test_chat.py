@@ -81,3 +81,13 @@ def test_model_group_reaches_the_task(chat_model):
     task = build(cfg.task, "task")
     assert task.chat.templated
     assert task.format_prompt(task.problems("train")[0]).startswith("<|system|>\nBe brief.\n<|user|>\n")
+
+
+def test_chat_settings_are_inert_outside_task_jsonl():
+    from prmppo.config.validate import inert_keys
+
+    gsm8k = compose_config(["task=gsm8k", "model=hf", "model.path=/nonexistent/checkpoint"])
+    assert {"model.chat_template", "model.system_prompt"} <= set(inert_keys(gsm8k))
+    jsonl = compose_config(["task=jsonl", f"task.train_path={TRAIN}", f"task.test_path={TEST}", "model=hf",
+                            "model.path=/nonexistent/checkpoint"])
+    assert not {"model.chat_template", "model.system_prompt"} & set(inert_keys(jsonl))
