@@ -5,7 +5,8 @@ It runs before any model, tokenizer or dataset is built, cheapest first:
 1. every `_target_` against the allowed packages (`config/build.py`), before anything is built;
 2. the config's own ranges and arithmetic between keys (`config/validate.py`: needs only the config);
 3. what only the code can say: each choice key against the list of the module that implements it
-   (`CHOICE_HOMES`), the policy class the `lora` group names (does it ship an adapter), the reward
+   (`CHOICE_HOMES`, and `OPTION_CHOICE_HOMES` for the keys of one option such as task=jsonl's), the
+   policy class the `lora` group names (does it ship an adapter), the reward
    (built without a model or task: it checks its own keys), the arith task's operators.
 
 Every problem found is listed in one `ConfigError` whose message names the keys, the values, and
@@ -17,11 +18,14 @@ from __future__ import annotations
 
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
 from prmppo.config.build import build_quietly, check_targets
-from prmppo.config.schema import ArithTaskConfig, LoraAdapterConfig
+from prmppo.config.schema import (ArithTaskConfig, ExternalProcessRewardConfig, HFModelConfig, JsonlTaskConfig,
+                                  LoraAdapterConfig)
 from prmppo.config.validate import config_problems
 from prmppo.errors import ConfigError
+from prmppo.models.external_prm import PRM_FORMATS
 from prmppo.models.loading import DTYPES
 from prmppo.models.prm_heads import HEAD_TYPES
 from prmppo.models.prm_labels import ESTIMATIONS, LABEL_SOURCES
@@ -33,7 +37,10 @@ from prmppo.rewards.kl import KL_ESTIMATORS
 from prmppo.rollout.hf_engine import DECODE_MODES
 from prmppo.rollout.worker import ENGINE_CLASSES
 from prmppo.stages import STAGES
+from prmppo.tasks.answers import CHECKERS
 from prmppo.tasks.chains import SUPPORTED_OPERATORS
+from prmppo.tasks.chat import chat_template_mode
+from prmppo.tasks.jsonl import BAD_ROWS
 
 # logger.mode: auto picks online when a W&B key is configured (stages/common.py), else offline
 WANDB_MODES = ("auto", "offline", "online")
@@ -56,12 +63,28 @@ CHOICE_HOMES = {
     "prm_train.head": HEAD_TYPES,
 }
 
+# (group, the option's schema) -> its choice keys and their homes: keys only that option has, checked when
+# the group's schema is that option's
+OPTION_CHOICE_HOMES = {
+    ("task", JsonlTaskConfig): {"checker": CHECKERS, "bad_rows": BAD_ROWS},
+    ("reward", ExternalProcessRewardConfig): {"format": tuple(PRM_FORMATS), "dtype": tuple(DTYPES)},
+}
+
 
 def _check_choices(problems: list[str], cfg: DictConfig) -> None:
-    for key, valid in CHOICE_HOMES.items():
+    homes = dict(CHOICE_HOMES)
+    for (group, schema), keys in OPTION_CHOICE_HOMES.items():
+        if issubclass(OmegaConf.get_type(cfg[group]), schema):
+            homes.update({f"{group}.{key}": valid for key, valid in keys.items()})
+    for key, valid in homes.items():
         value = OmegaConf.select(cfg, key, throw_on_missing=True)
         if value not in valid:
             problems.append(f"{key}={value!r} is not one of {', '.join(map(str, valid))}")
+    if issubclass(OmegaConf.get_type(cfg.model), HFModelConfig):
+        try:  # true / false may arrive as YAML booleans: tasks/chat.py reads them
+            chat_template_mode(cfg.model.chat_template)
+        except ConfigError as err:
+            problems.append(str(err))
 
 
 def _check_policy(problems: list[str], cfg: DictConfig) -> None:
@@ -87,8 +110,9 @@ def _check_policy(problems: list[str], cfg: DictConfig) -> None:
 
 
 def _check_task(problems: list[str], task: DictConfig) -> None:
-    """The step delimiter every task reads, and the arith task's difficulty ranges (`task.sft`, `task.rl`)."""
-    if task.step_delimiter != "\n":
+    """The step delimiter every task but task=jsonl reads (that one splits at any delimiter), and the arith
+    task's difficulty ranges (`task.sft`, `task.rl`)."""
+    if task.step_delimiter != "\n" and not issubclass(OmegaConf.get_type(task), JsonlTaskConfig):
         problems.append(f"task.step_delimiter={task.step_delimiter!r}: only '\\n' (one step a line) is supported")
     if not issubclass(OmegaConf.get_type(task), ArithTaskConfig):
         return
@@ -118,6 +142,8 @@ def validate_config(cfg: DictConfig) -> None:
         build_quietly(cfg.reward, seed=cfg.seed)
     except ConfigError as err:
         problems.append(str(err))
+    except MissingMandatoryValue:
+        pass  # a reward key left `???` (reward=prm_external's path): config_problems names it
     _check_task(problems, cfg.task)
     if problems:
         raise ConfigError("invalid config: " + "; ".join(problems))

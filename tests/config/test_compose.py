@@ -30,15 +30,17 @@ NOT_YET: set[tuple[str, str]] = set()
 # options that run only with other choices (none now: several training ranks run the default pipeline too)
 ALONGSIDE: dict[tuple[str, str], list[str]] = {}
 # options that leave a key without a default (`???`) for the user to give
-NEEDS = {("model", "hf"): "model.path=/nonexistent/checkpoint",
-         ("experiment", "math_shepherd_gsm8k"): "model.path=/nonexistent/checkpoint"}
+NEEDS = {("model", "hf"): ["model.path=/nonexistent/checkpoint"],
+         ("experiment", "math_shepherd_gsm8k"): ["model.path=/nonexistent/checkpoint"],
+         ("task", "jsonl"): ["task.train_path=/nonexistent/train.jsonl", "task.test_path=/nonexistent/test.parquet"],
+         ("reward", "prm_external"): ["reward.path=/nonexistent/prm"]}
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
 def test_every_option_composes_and_validates(group, option):
     overrides = [f"{group}={option}", *ALONGSIDE.get((group, option), [])]
     if (group, option) in NEEDS:
-        overrides.append(NEEDS[(group, option)])  # the path itself is only checked when used
+        overrides += NEEDS[(group, option)]  # the path itself is only checked when used
     cfg = compose_config(overrides)
     OmegaConf.to_container(cfg, resolve=False, throw_on_missing=True)
     check_targets(cfg)
@@ -53,7 +55,7 @@ def test_debug_smoke_composes_with_either_model_source():
     tiny = compose_config(["debug=smoke"])
     assert (tiny.model.hidden_size, tiny.model.num_hidden_layers, tiny.ppo.iterations) == (32, 2, 2)
     hf = compose_config(["debug=smoke", "model=hf", "model.path=/nonexistent/checkpoint"])
-    assert set(hf.model) == {"_target_", "path", "dtype"} and hf.ppo.iterations == 2
+    assert set(hf.model) == {"_target_", "path", "dtype", "chat_template", "system_prompt"} and hf.ppo.iterations == 2
     validate_config(hf)
     # the command line still wins over the smoke shape
     assert compose_config(["debug=smoke", "model.hidden_size=48"]).model.hidden_size == 48
@@ -63,7 +65,7 @@ def test_debug_smoke_composes_with_either_model_source():
 @pytest.mark.parametrize("topology", ["cpu", "gpu", "fsdp"])
 @pytest.mark.parametrize("experiment", ["prm_vs_orm_arith", "math_shepherd_gsm8k"])
 def test_arm_topology_experiment_grid(arm, topology, experiment):
-    extra = [NEEDS[("experiment", experiment)]] if ("experiment", experiment) in NEEDS else []
+    extra = [*NEEDS.get(("experiment", experiment), [])]
     extra += ALONGSIDE.get(("topology", topology), [])
     cfg = compose_config([f"arm={arm}", f"topology={topology}", f"experiment={experiment}", *extra])
     assert cfg.arm.name == arm

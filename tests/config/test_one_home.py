@@ -7,21 +7,25 @@ import inspect
 
 import pytest
 
-from prmppo.config.schema import (ArithTaskConfig, GSM8KTaskConfig, HFModelConfig, LoraAdapterConfig,
-                                  OutcomeRewardConfig, PPOConfig, ProcessRewardConfig, RolloutConfig, TinyModelConfig)
+from prmppo.config.schema import (ArithTaskConfig, ExternalProcessRewardConfig, GSM8KTaskConfig, HFModelConfig,
+                                  JsonlTaskConfig, LoraAdapterConfig, OutcomeRewardConfig, PPOConfig,
+                                  ProcessRewardConfig, RolloutConfig, TinyModelConfig)
 from prmppo.models.loading import HFDirSource
 from prmppo.models.policy import LoraPolicy
 from prmppo.models.tiny import TinyModelSource
 from prmppo.ppo import advantages
 from prmppo.rewards.orm import OutcomeReward
 from prmppo.rewards.prm import ProcessReward
+from prmppo.rewards.prm_external import ExternalProcessReward
 from prmppo.rollout.client import RolloutClient
 from prmppo.tasks.arith import parse_difficulty, ArithTask
 from prmppo.tasks.gsm8k import GSM8KTask
+from prmppo.tasks.jsonl import JsonlTask
 
 PAIRS = [(ArithTask, ArithTaskConfig), (GSM8KTask, GSM8KTaskConfig), (TinyModelSource, TinyModelConfig),
          (HFDirSource, HFModelConfig), (OutcomeReward, OutcomeRewardConfig), (ProcessReward, ProcessRewardConfig),
-         (LoraPolicy, LoraAdapterConfig)]
+         (LoraPolicy, LoraAdapterConfig), (JsonlTask, JsonlTaskConfig),
+         (ExternalProcessReward, ExternalProcessRewardConfig)]
 
 
 @pytest.mark.parametrize("component,schema", PAIRS, ids=[c.__name__ for c, _ in PAIRS])

@@ -75,6 +75,34 @@ class GSM8KTaskConfig(TaskConfig):
     test_size: Optional[int] = None
 
 
+@dataclass
+class JsonlTaskConfig(TaskConfig):
+    _target_: str = "prmppo.tasks.jsonl.JsonlTask"
+    # JSONL (.jsonl/.json) or Parquet (.parquet/.pq) files of problems; relative paths are taken from the
+    # launch directory (conf/task/jsonl.yaml)
+    train_path: str = MISSING
+    test_path: str = MISSING
+    # the rows SFT trains on (each needs a gold solution); null = the train file
+    sft_path: Optional[str] = None
+    # dotted paths into a row; the defaults read verl's layout
+    prompt_key: str = "prompt"
+    answer_key: str = "reward_model.ground_truth"
+    solution_key: str = "extra_info.answer"
+    # answer comparison: math_verify (symbolic, LaTeX) | numeric (plain numbers) | exact (strings)
+    checker: str = "math_verify"
+    # a row without a field or with an unparsable ground truth: refuse (name file and line) | skip (count it)
+    bad_rows: str = "refuse"
+    # score only the first N test rows (null = all)
+    test_size: Optional[int] = None
+    # plain prompts (no chat template): the messages' contents, joined by a blank line, replace {prompt}
+    prompt_template: str = "{prompt}\n"
+    # set from the model group by conf/task/jsonl.yaml (model.chat_template, model.system_prompt,
+    # model.path): the prompt is rendered with that model's tokenizer
+    chat_template: str = "false"
+    system_prompt: Optional[str] = None
+    tokenizer_path: Optional[str] = None
+
+
 # --------------------------------------------------------------------------- model
 
 
@@ -112,6 +140,11 @@ class HFModelConfig(ModelConfig):
     path: str = MISSING
     # a real checkpoint is trained in bfloat16 (half the memory of float32, the range of float32)
     dtype: str = "bfloat16"
+    # task=jsonl prompts through the tokenizer's chat template: auto (when it has one) | true (refuse a
+    # tokenizer without one) | false (plain text)
+    chat_template: str = "auto"
+    # task=jsonl: a system message put before every prompt's messages (null: none)
+    system_prompt: Optional[str] = None
 
 
 # --------------------------------------------------------------------------- arm / reward
@@ -155,6 +188,23 @@ class ProcessRewardConfig(RewardConfig):
     # step scores come from: learned (the trained PRM) | oracle (the task's exact step checker) |
     # likelihood_control (no PRM: the untrained step_logprobs rule of the SFT model, adapters off)
     scorer: str = "learned"
+
+
+@dataclass
+class ExternalProcessRewardConfig(ProcessRewardConfig):
+    _target_: str = "prmppo.rewards.prm_external.ExternalProcessReward"
+    # step scores from an off-the-shelf PRM checkpoint (models/external_prm.py), no PRM stage
+    scorer: str = "external"
+    # local HF-layout directory of the PRM (its own tokenizer)
+    path: str = MISSING
+    # its step format: math_shepherd (a `ки` tag after each step, read as `+` vs `-`) | qwen_prm (steps
+    # joined by `<extra_0>` in its chat template, a two-class head read at each)
+    format: str = "math_shepherd"
+    # where the PRM runs: "" = the trainer's device, or e.g. cuda:1
+    device: str = ""
+    dtype: str = "bfloat16"
+    # PRM inputs per forward
+    micro_batch_rows: int = 8
 
 
 # --------------------------------------------------------------------------- lora
@@ -293,10 +343,10 @@ class RootConfig:
 
 SCHEMAS: dict[str, dict[str, type]] = {
     "stage": {"stage": StageConfig},
-    "task": {"arith": ArithTaskConfig, "gsm8k": GSM8KTaskConfig},
+    "task": {"arith": ArithTaskConfig, "gsm8k": GSM8KTaskConfig, "jsonl": JsonlTaskConfig},
     "model": {"tiny": TinyModelConfig, "hf": HFModelConfig},
     "arm": {"arm": ArmConfig},
-    "reward": {"orm": OutcomeRewardConfig, "prm": ProcessRewardConfig},
+    "reward": {"orm": OutcomeRewardConfig, "prm": ProcessRewardConfig, "prm_external": ExternalProcessRewardConfig},
     "lora": {"adapter": LoraAdapterConfig, "none": FullFinetuneConfig},
     "rollout": {"rollout": RolloutConfig},
     "topology": {"topology": TopologyConfig},

@@ -21,8 +21,10 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
 from prmppo.config.build import build_quietly
+from prmppo.config.schema import HFModelConfig, JsonlTaskConfig
 from prmppo.errors import ConfigError
 
 
@@ -191,7 +193,7 @@ def _check_stage_splits(problems: list[str], cfg: DictConfig, world: int) -> Non
         _check_split(problems, "sft.batch_rows", cfg.sft.batch_rows, world)
     try:
         learned_prm = build_quietly(cfg.reward, seed=cfg.seed).needs_learned_prm
-    except ConfigError:  # reported by prmppo.validate, which builds the reward too
+    except (ConfigError, MissingMandatoryValue):  # reported by prmppo.validate / _check_missing
         learned_prm = False
     if cfg.stage.name == "prm" or (cfg.stage.name in ("ppo", "pipeline") and learned_prm):
         _check_split(problems, "prm_train.batch_rows", cfg.prm_train.batch_rows, world)
@@ -232,6 +234,8 @@ MISSING_HINTS = {
     "model.path": "a local Hugging Face-layout checkpoint directory (config.json, tokenizer files, *.safetensors), "
                   "e.g. model.path=/ckpt/mistral-7b",
     "task.data_dir": "the directory holding the task's JSONL files, e.g. task.data_dir=/data/gsm8k",
+    "task.train_path": "your JSONL or Parquet file of RL prompts, e.g. task.train_path=data/train.parquet",
+    "task.test_path": "your JSONL or Parquet file of held-out problems, e.g. task.test_path=data/test.parquet",
 }
 
 
@@ -313,8 +317,9 @@ def inert_keys(cfg: DictConfig) -> list[str]:
     evaluation's during-PPO keys only when `eval.every` > 0; `prm_train` only where a PRM is trained
     (`_inert_prm_train`); vLLM's memory share only under `rollout=vllm`, the built-in engine's decode
     loop only under `rollout=hf`; the band's measurement keys only when a band is measured
-    (`stage=band` or `band.enabled`). Recorded in `stage_result.json`, warned about when swept, and
-    used by `prmppo.report` so that such a key does not split a group.
+    (`stage=band` or `band.enabled`); the model's chat template settings only under task=jsonl.
+    Recorded in `stage_result.json`, warned about when swept, and used by `prmppo.report` so that such
+    a key does not split a group.
     """
     ppo = cfg.ppo
     reward = build_quietly(cfg.reward, seed=cfg.seed)
@@ -337,6 +342,9 @@ def inert_keys(cfg: DictConfig) -> list[str]:
     inert.append("rollout.decode" if cfg.rollout.engine == "vllm" else "rollout.gpu_memory_utilization")
     if not (cfg.band.enabled or cfg.stage.name == "band"):
         inert += [f"band.{key}" for key in BAND_MEASURE_KEYS]
+    if issubclass(OmegaConf.get_type(cfg.model), HFModelConfig) and \
+            not issubclass(OmegaConf.get_type(cfg.task), JsonlTaskConfig):  # only task=jsonl renders chat prompts
+        inert += ["model.chat_template", "model.system_prompt"]
     return inert
 
 

@@ -185,6 +185,8 @@ def check_step_scorer(task, reward) -> dict:
         return {"step_scores": "none (outcome reward only)"}
     if reward.needs_learned_prm:
         return {"step_scores": "learned PRM"}
+    if reward.scorer == "external":  # reward=prm_external: the checkpoint's files and format markers
+        return {"step_scores": "external PRM", **reward.check_load()}
     if not reward.needs_step_checker:  # reward=prm_likelihood_control
         return {"step_scores": "the SFT model's likelihood (untrained step_logprobs rule, no PRM)"}
     probe = task.problems("test")[0]

@@ -112,9 +112,12 @@ def load_model(path: str | Path, dtype: str = "float32", device: str | torch.dev
 class HFDirSource:
     """`model=hf`: an existing local HF-layout directory, used as it is."""
 
-    def __init__(self, path: str, dtype: str = HFModelConfig.dtype):
+    def __init__(self, path: str, dtype: str = HFModelConfig.dtype, chat_template: str = HFModelConfig.chat_template,
+                 system_prompt: str | None = HFModelConfig.system_prompt):
         self.path = path
         self.dtype = dtype
+        # how task=jsonl renders prompts with this model's tokenizer (tasks/chat.py), kept for the record
+        self.chat_template, self.system_prompt = chat_template, system_prompt
 
     def architecture(self) -> tuple[dict | None, str]:
         """The directory's config.json dict and its path; (None, "") when it is missing or not a

@@ -92,8 +92,11 @@ def _reward(cfg: DictConfig, task, tokenizer, policy, prm_dir: Path | None):
     spec = build(cfg.reward, "reward", seed=cfg.seed)
     if not spec.needs_step_scorer:
         return spec
-    scorer = build_step_scorer(scorer=spec.scorer, task=task, tokenizer=tokenizer,
-                               model=policy.prm_host, prm_dir=prm_dir, chunk_rows=cfg.prm_train.chunk_rows)
+    if spec.scorer == "external":  # reward=prm_external: an off-the-shelf PRM checkpoint of its own
+        scorer = spec.make_step_scorer(task, tokenizer, cfg.topology.train_device)
+    else:
+        scorer = build_step_scorer(scorer=spec.scorer, task=task, tokenizer=tokenizer,
+                                   model=policy.prm_host, prm_dir=prm_dir, chunk_rows=cfg.prm_train.chunk_rows)
     return build(cfg.reward, "reward", seed=cfg.seed, step_scorer=scorer, task=task)
 
 

@@ -65,7 +65,6 @@ from prmppo.config.build import build
 from prmppo.distributed.launch import close_ranks
 from prmppo.distributed.ranks import OneProcess
 from prmppo.distributed.shard import clip_global_norm
-from prmppo.guards.gates import check_label_source
 from prmppo.logger.console import log_milestone, progress as progress_bar
 from prmppo.models.loading import DTYPES, load_tokenizer
 from prmppo.models.prm import (LearnedStepScorer, make_head, new_prm, prm_step_logits, reference_token_logprobs,
@@ -75,6 +74,7 @@ from prmppo.ppo.maths import make_scheduler
 from prmppo.rewards.steps import StepBoundaries, align_step_labels
 from prmppo.stages.common import Made, make_or_reuse, open_metrics, open_ranks, train_device, write_stage_result
 from prmppo.stages.sft_training import ensure_sft
+from prmppo.stages.prm_external import evaluate_external_prm, prm_launch_gate
 from prmppo.models.prm_labels import (PolicySampler, StepExample, corrupt_at_random_step, encode_solution,
                                       make_step_labels, row_step_ends)
 
@@ -382,16 +382,16 @@ def _train(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path, ranks, fi
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict:
-    """Stage `prm`: the SFT checkpoint (reused or trained), then a freshly trained PRM. Under `topology=fsdp`
-    every rank runs this (torchrun); rank 0 writes the results."""
-
+    """Stage `prm`: the SFT checkpoint (reused or trained), then a freshly trained PRM, or reward=prm_external's
+    checkpoint evaluated instead. Under `topology=fsdp` every rank runs this (torchrun); rank 0 writes the results."""
     start = time.time()
     task = build(cfg.task, "task")
-    check_label_source(task, cfg.prm_train.label_source)  # refused before SFT or any weights
+    external = prm_launch_gate(cfg, task)  # before SFT or any weights: the label source, or the external PRM
     ranks = open_ranks(cfg, run_dir)
     try:
         sft_checkpoint, _ = ensure_sft(cfg, task, run_dir, reuse=True, ranks=ranks)
-        _, summary = ensure_prm(cfg, task, run_dir, sft_checkpoint, reuse=False, ranks=ranks)
+        summary = (evaluate_external_prm(cfg, task, run_dir, external, sft_checkpoint, evaluate_prm) if external
+                   else ensure_prm(cfg, task, run_dir, sft_checkpoint, reuse=False, ranks=ranks)[1])
         summary["wall_seconds"] = time.time() - start
         if ranks.is_main:
             write_stage_result(run_dir, cfg, "prm", summary)

@@ -42,12 +42,12 @@ _FINAL_RE = re.compile(r"####\s*(.*)")
 _PLAIN_NUMBER_RE = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?")
 # A number inside running text: thousands separators only in groups of three, and a minus
 # sign only when it cannot be a subtraction ("16-3" yields 16 and 3, not -3).
-_NUMBER_IN_TEXT_RE = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?<![\w.])-?\.\d+")
+NUMBER_IN_TEXT_RE = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?<![\w.])-?\.\d+")
 _ANSWER_MARKER = "Answer:"
 _PROMPT_TEMPLATE = "Question: {question}\nAnswer:\n"
 
 
-def _render_fraction(value: Fraction) -> str:
+def render_fraction(value: Fraction) -> str:
     """Integers as plain ints, terminating decimals without trailing zeros, else "p/q"."""
     if value.denominator == 1:
         return str(value.numerator)
@@ -81,16 +81,16 @@ def parse_number(text: str) -> Fraction | None:
 def normalize_number(text: str) -> str | None:
     """Canonical string of a number ("12.0" -> "12", "1,000" -> "1000", "0.50" -> "0.5"), else None."""
     value = parse_number(text)
-    return None if value is None else _render_fraction(value)
+    return None if value is None else render_fraction(value)
 
 
 def _first_number(text: str) -> str | None:
-    match = _NUMBER_IN_TEXT_RE.search(text)
+    match = NUMBER_IN_TEXT_RE.search(text)
     return normalize_number(match.group(0)) if match else None
 
 
 def _last_number(text: str) -> str | None:
-    matches = _NUMBER_IN_TEXT_RE.findall(text)
+    matches = NUMBER_IN_TEXT_RE.findall(text)
     return normalize_number(matches[-1]) if matches else None
 
 
@@ -229,14 +229,14 @@ class GSM8KTask:
             )
         offsets = [d for d in range(-9, 10) if d != 0]
         step = steps[position]
-        matches = list(_NUMBER_IN_TEXT_RE.finditer(step))
+        matches = list(NUMBER_IN_TEXT_RE.finditer(step))
         if matches:
             last = matches[-1]
-            wrong = _render_fraction(parse_number(last.group(0)) + rng.choice(offsets))
+            wrong = render_fraction(parse_number(last.group(0)) + rng.choice(offsets))
             steps[position] = step[: last.start()] + wrong + step[last.end() :]
         else:
             steps[position] = f"{step} {rng.randint(1, 99)}"
-        wrong_answer = _render_fraction(Fraction(problem.answer) + rng.choice(offsets))
+        wrong_answer = render_fraction(Fraction(problem.answer) + rng.choice(offsets))
         return "\n".join(steps + [f"{_ANSWER_MARKER} {wrong_answer}"])
 
     def alphabet(self) -> str:
