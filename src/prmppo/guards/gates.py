@@ -28,6 +28,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from prmppo.errors import PrmppoError
+from prmppo.models.external_prm import check_external_reward
 from prmppo.rollout.client import probe_engine_python, resolve_python
 from prmppo.rollout.hf_engine import left_pad
 from prmppo.rollout.worker import ENGINE_PACKAGES
@@ -186,7 +187,7 @@ def check_step_scorer(task, reward) -> dict:
     if reward.needs_learned_prm:
         return {"step_scores": "learned PRM"}
     if reward.scorer == "external":  # reward=prm_external: the checkpoint's files and format markers
-        return {"step_scores": "external PRM", **reward.check_load()}
+        return {"step_scores": "external PRM", **check_external_reward(reward)}
     if not reward.needs_step_checker:  # reward=prm_likelihood_control
         return {"step_scores": "the SFT model's likelihood (untrained step_logprobs rule, no PRM)"}
     probe = task.problems("test")[0]

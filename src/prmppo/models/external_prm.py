@@ -257,3 +257,17 @@ def load_external_scorer(path: str, prm_format: str, device: str, dtype: str, po
         model = load_model(Path(path), dtype, device)
     return ExternalStepScorer(model, tokenizer, fmt, policy_tokenizer, step_delimiter, micro_batch_rows,
                               where=f"reward.path={path}")
+
+
+def check_external_reward(reward) -> dict:
+    """The launch gate of `reward=prm_external` (`rewards/prm_external.py`): its checkpoint is whole and
+    speaks `reward.format` (no weights read)."""
+    check_external_prm(reward.path, reward.format)
+    return {"path": reward.path, "format": reward.format}
+
+
+def external_step_scorer(reward, task, tokenizer, train_device: str):
+    """`reward=prm_external`'s checkpoint loaded as a step scorer of the policy's responses (`tokenizer`: the
+    policy's), on `reward.device` or else the trainer's device."""
+    return load_external_scorer(reward.path, reward.format, reward.device or train_device, reward.dtype, tokenizer,
+                                task.step_delimiter, reward.micro_batch_rows)

@@ -3,8 +3,10 @@ checkpoint (`reward.path`, `reward.format`; models/external_prm.py) instead of o
 
 Everything after the scores is `ProcessReward`'s (noise, transform, weights, outcome term, monitors), so both
 arms and every transform work as with the trained PRM. No PRM stage runs (`needs_learned_prm` is False).
-The launch gate `check_load` reads the checkpoint's config and tokenizer (no weights); the PPO stage then
-asks `make_step_scorer` for the loaded scorer on `reward.device` (or the trainer's device).
+This module holds the settings only: the launch gate (`models.external_prm.check_external_reward`) reads the
+checkpoint's config and tokenizer (no weights), and the PPO stage loads the scorer
+(`models.external_prm.external_step_scorer`) on `reward.device` (or the trainer's device); `rewards/` sits
+below `models/`, so it imports nothing from there.
 
     python -m prmppo task=jsonl ... arm=prm reward=prm_external reward.path=/ckpt/math-shepherd-prm
 """
@@ -12,7 +14,6 @@ asks `make_step_scorer` for the loaded scorer on `reward.device` (or the trainer
 from __future__ import annotations
 
 from prmppo.config.schema import ExternalProcessRewardConfig
-from prmppo.models.external_prm import check_external_prm, load_external_scorer
 from prmppo.rewards.prm import ProcessReward
 
 
@@ -32,13 +33,3 @@ class ExternalProcessReward(ProcessReward):
         self.scorer = scorer
         self.path, self.format, self.device, self.dtype = path, format, device, dtype
         self.micro_batch_rows = micro_batch_rows
-
-    def check_load(self) -> dict:
-        """The launch gate: the checkpoint is whole and speaks `reward.format` (no weights read)."""
-        check_external_prm(self.path, self.format)
-        return {"path": self.path, "format": self.format}
-
-    def make_step_scorer(self, task, tokenizer, train_device: str):
-        """The loaded external PRM as a step scorer of the policy's responses (`tokenizer`: the policy's)."""
-        return load_external_scorer(self.path, self.format, self.device or train_device, self.dtype, tokenizer,
-                                    task.step_delimiter, self.micro_batch_rows)

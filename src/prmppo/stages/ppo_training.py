@@ -45,6 +45,7 @@ from prmppo.guards.monitors import Monitors, StopFlag, engine_gap_tripwire
 from prmppo.logger import write_json_atomic
 from prmppo.logger.laps import Laps
 from prmppo.models.loading import DTYPES, load_tokenizer
+from prmppo.models.external_prm import external_step_scorer
 from prmppo.models.prm import build_step_scorer
 from prmppo.ppo.checkpoint import CheckpointKeeper, LocalCheckpoints, checkpoint_every
 from prmppo.ppo.loop import PPOTrainer
@@ -93,7 +94,7 @@ def _reward(cfg: DictConfig, task, tokenizer, policy, prm_dir: Path | None):
     if not spec.needs_step_scorer:
         return spec
     if spec.scorer == "external":  # reward=prm_external: an off-the-shelf PRM checkpoint of its own
-        scorer = spec.make_step_scorer(task, tokenizer, cfg.topology.train_device)
+        scorer = external_step_scorer(spec, task, tokenizer, cfg.topology.train_device)
     else:
         scorer = build_step_scorer(scorer=spec.scorer, task=task, tokenizer=tokenizer,
                                    model=policy.prm_host, prm_dir=prm_dir, chunk_rows=cfg.prm_train.chunk_rows)

@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from prmppo.config.build import build
 from prmppo.errors import PrmppoError
 from prmppo.guards.gates import check_label_source
+from prmppo.models.external_prm import check_external_reward, external_step_scorer
 from prmppo.models.loading import load_model, load_tokenizer
 from prmppo.models.prm_labels import PolicySampler
 from prmppo.stages.common import open_metrics, train_device
@@ -31,7 +32,7 @@ def prm_launch_gate(cfg: DictConfig, task):
     if not (reward.needs_step_scorer and reward.scorer == "external"):
         check_label_source(task, cfg.prm_train.label_source)
         return None
-    reward.check_load()  # the checkpoint's files and format markers, no weights
+    check_external_reward(reward)  # the checkpoint's files and format markers, no weights
     if cfg.topology.train_world_size > 1:
         raise PrmppoError("stage=prm with reward=prm_external evaluates on one process; use topology=cpu or gpu")
     return reward
@@ -57,10 +58,10 @@ def evaluate_external_prm(cfg: DictConfig, task, run_dir: Path, reward, sft_chec
     test = task.problems("test")[: cfg.prm_train.eval_problems]
     rng = random.Random(f"{cfg.seed}-prm")
     candidates = _sft_candidates(cfg, task, tokenizer, sft_checkpoint, test)  # the SFT model is freed on return
-    scorer = reward.make_step_scorer(task, tokenizer, cfg.topology.train_device)
+    scorer = external_step_scorer(reward, task, tokenizer, cfg.topology.train_device)
     with open_metrics(cfg, run_dir, "prm") as logger:
         start = time.time()
         result = evaluate_prm(scorer, task, tokenizer, test, candidates, rng)
         result["seconds"] = time.time() - start
         logger.log(0, {f"prm_eval/{k}": v for k, v in result.items()}, echo=True)
-    return {"external_prm": reward.check_load(), "sft_checkpoint": str(sft_checkpoint), "eval": result}
+    return {"external_prm": check_external_reward(reward), "sft_checkpoint": str(sft_checkpoint), "eval": result}
