@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 
+# benchmarks at a toy size, not what a run needs
+pytestmark = pytest.mark.slow
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_update_bench.py"
 TOY = ["--shape", "tiny-qwen2", "--vocab", "300", "--rows", "4", "--prompt-tokens", "6", "--new-tokens", "8",
        "--min-new-tokens", "2", "--repeats", "1", "--peak-tflops", "1"]
