@@ -1,12 +1,12 @@
-"""The PPO update alone, new path vs the old one, side by side in one run: tokens/s, MFU, peak memory.
+"""The PPO update alone: tokens/s, MFU, peak memory.
 
     # on a GPU, the issue-16 shape (Qwen2-0.5B, 16k vocabulary, random weights, built in memory):
     PYTHONPATH=src python benchmarks/gpu_update_bench.py --lora
     PYTHONPATH=src python benchmarks/gpu_update_bench.py            # full fine-tuning
     PYTHONPATH=src python benchmarks/gpu_update_bench.py --model models/qwen2-0.5b-shape --lora
-    PYTHONPATH=src python benchmarks/gpu_update_bench.py --lora --paths new --profile  # where the time goes
+    PYTHONPATH=src python benchmarks/gpu_update_bench.py --lora --profile       # where the time goes
     PYTHONPATH=src python benchmarks/gpu_update_bench.py --lora --compile            # compiled layers
-    # CPU smoke check of the code paths (seconds):
+    # CPU smoke check (seconds):
     PYTHONPATH=src python benchmarks/gpu_update_bench.py --shape tiny-qwen2 --rows 8 --lora
 
 What runs: `PPOTrainer.update` from ppo/loop.py on the real policy classes of models/policy.py
@@ -16,25 +16,23 @@ uniform in [`--min-new-tokens`, `--new-tokens`] (set both equal for all-full-len
 token ids, random advantages, `ppo.advantage_estimator=rloo` (no critic; `--critic` for gae). The
 no-grad forwards that make the old and reference logprobs (`_old_and_reference`, step 3 of the
 loop, over the update's plan) are timed too. `--profile` prints torch.profiler's top-20 ops of
-one more new-path update, the share of that update's wall time the device was busy, and how many
+one more update, the share of that update's wall time the device was busy, and how many
 host calls that can wait on the device it made. One untimed warm-up update, then `--repeats` timed ones.
 
-Two paths, fresh model and optimizer each, same data:
-- `new`: the code as it is (chunked LM-head logprobs, length-bucketed micro-batches cut to their
-  longest row, fused AdamW on CUDA, `--autocast` / `--gradient-checkpointing` / `--compile` as
-  given; with `--compile` the untimed warm-up update pays the compilation);
-- `old`: the loop's pre-issue-16 micro-batch code, kept here as `OldPathTrainer` (full [B, T, V]
-  float32 logits, micro-batches of the full padded width, unfused AdamW; LoRA factors in fp32 on a
-  bf16 base, as peft upcast them) and nothing else changed.
+The update is the code as it is (chunked LM-head logprobs, length-bucketed micro-batches cut to
+their longest row, fused AdamW on CUDA, `--autocast` / `--gradient-checkpointing` / `--compile` as
+given; with `--compile` the untimed warm-up update pays the compilation). The figures of the earlier
+micro-batch code beside it (full [B, T, V] float32 logits, padded micro-batches, unfused AdamW) in
+benchmarks/RESULTS.md were measured with this script at commit b5d27e8, which still carried that code.
 
 Figures: tokens/s = real (non-padding) prompt + response tokens per update / update seconds
 (median of the repeats); MFU = 6 * N * tokens/s / peak, with N = every parameter of the base
 model (embeddings included, the tied LM head counted once; LoRA factors and the value head
 excluded): the usual 6N-per-token count of training FLOPs, which ignores attention's FLOPs and,
 under LoRA, counts the frozen weights' gradients that are never computed (the exact count there
-is nearer 4N), so it flatters no path. Peak: the GPU's dense bf16 tensor throughput, from
+is nearer 4N), the count every figure in benchmarks/RESULTS.md uses. Peak: the GPU's dense bf16 tensor throughput, from
 `PEAK_BF16_TFLOPS` by `torch.cuda.get_device_name` or `--peak-tflops`. Memory:
-`torch.cuda.max_memory_allocated` over the path's updates (model, optimizer and activations).
+`torch.cuda.max_memory_allocated` over the updates (model, optimizer and activations).
 First ratio dev: max |ratio - 1| on the warm-up update's first micro-batch, where the policy has not
 moved: what the ratio tripwire (`ppo.max_first_ratio_dev`, 1e-3) sees from kernel noise alone.
 """
@@ -42,7 +40,6 @@ moved: what the ratio tripwire (`ppo.max_first_ratio_dev`, 1e-3) sees from kerne
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.util
 import statistics
 import sys
@@ -65,9 +62,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=16384, help="vocabulary of the built shape")
     parser.add_argument("--dtype", default="", choices=["", "float32", "bfloat16"],
                         help="model.dtype; default bfloat16 on a GPU, float32 on CPU (where bf16 matmuls crawl)")
-    parser.add_argument("--autocast", default="none", choices=["none", "bfloat16"], help="ppo.autocast (new path)")
-    parser.add_argument("--gradient-checkpointing", action="store_true", help="ppo.gradient_checkpointing (new)")
-    parser.add_argument("--compile", action="store_true", help="ppo.compile: compiled decoder layers (new path)")
+    parser.add_argument("--autocast", default="none", choices=["none", "bfloat16"], help="ppo.autocast")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="ppo.gradient_checkpointing")
+    parser.add_argument("--compile", action="store_true", help="ppo.compile: compiled decoder layers")
     parser.add_argument("--lora", action="store_true", help="LoRA r=16 on every linear layer; else full fine-tuning")
     parser.add_argument("--critic", action="store_true", help="gae with a value head; else rloo")
     parser.add_argument("--rows", type=int, default=256, help="responses per update (prompts x samples)")
@@ -79,12 +76,11 @@ def parse_args() -> argparse.Namespace:
                         help="ppo.micro_batch_rows; default min(32, minibatch rows)")
     parser.add_argument("--logit-chunk-tokens", type=int, default=2048)
     parser.add_argument("--micro-batch-tokens", type=int, default=0,
-                        help="ppo.micro_batch_tokens (new path): size micro-batches by tokens; 0: by rows only")
+                        help="ppo.micro_batch_tokens: size micro-batches by tokens; 0: by rows only")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--paths", default="old,new", help="which paths to run, in this order")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="override the device's bf16 peak")
     parser.add_argument("--profile", action="store_true",
-                        help="print torch.profiler's top-20 ops (by CUDA time) of one more new-path update")
+                        help="print torch.profiler's top-20 ops (by CUDA time) of one more update")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
@@ -95,8 +91,6 @@ def parse_args() -> argparse.Namespace:
                      f"{args.minibatch_rows}, which must divide --rows {args.rows}")
     if not 1 <= args.min_new_tokens <= args.new_tokens:
         parser.error(f"--min-new-tokens {args.min_new_tokens} must be in [1, --new-tokens {args.new_tokens}]")
-    if not set(args.paths.split(",")) <= {"old", "new"}:
-        parser.error(f"--paths {args.paths!r}: a comma list of old, new")
     return args
 
 
@@ -128,12 +122,9 @@ def load_base(args):
     return Qwen2ForCausalLM(config).to(getattr(torch, args.dtype)).to(args.device).eval()
 
 
-def build_policy(args, path: str):
-    """(policy, N): the policy and the base model's parameter count (shared tensors once, LoRA excluded).
-    The old path's LoRA factors are fp32 on any base, as peft made them before (fp32 LoRA GEMMs)."""
-    from peft.tuners.tuners_utils import cast_adapter_dtype
-
-    from prmppo.models.policy import POLICY_ADAPTER, FullPolicy, LoraPolicy
+def build_policy(args):
+    """(policy, N): the policy and the base model's parameter count (shared tensors once, LoRA excluded)."""
+    from prmppo.models.policy import FullPolicy, LoraPolicy
 
     base = load_base(args)
     n_params = sum(p.numel() for p in base.parameters())  # before any adapter joins it
@@ -141,23 +132,20 @@ def build_policy(args, path: str):
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         policy = LoraPolicy(base, detach_value_hidden=True, critic=args.critic, r=16, alpha=32, dropout=0.0,
                             target_modules=targets, modules_to_save=[])
-        if path == "old":
-            cast_adapter_dtype(policy.model, POLICY_ADAPTER)
         return policy, n_params
     return FullPolicy(base, detach_value_hidden=True, critic=args.critic), n_params
 
 
-def ppo_config(args, path: str):
-    """The PPO settings of a path: the old one runs without the new switches."""
+def ppo_config(args):
+    """The PPO settings of the benchmark's update."""
     from prmppo.config.schema import PPOConfig
 
-    new = path == "new"
     return PPOConfig(iterations=10, prompts_per_iteration=args.rows // 4, n_samples_per_prompt=4,
                      minibatch_rows=args.minibatch_rows, micro_batch_rows=args.micro_batch_rows,
                      max_new_tokens=args.new_tokens, advantage_estimator="gae" if args.critic else "rloo",
-                     logit_chunk_tokens=args.logit_chunk_tokens, autocast=args.autocast if new else "none",
-                     micro_batch_tokens=(args.micro_batch_tokens or None) if new else None,
-                     gradient_checkpointing=args.gradient_checkpointing and new, compile=args.compile and new,
+                     logit_chunk_tokens=args.logit_chunk_tokens, autocast=args.autocast,
+                     micro_batch_tokens=args.micro_batch_tokens or None,
+                     gradient_checkpointing=args.gradient_checkpointing, compile=args.compile,
                      warmup_steps=0, lr=1e-6,
                      max_skipped_fraction=1.0, max_consecutive_skipped_steps=1000)
 
@@ -181,88 +169,6 @@ def synthetic_rollout(args, vocab_size: int):
 class _Task:
     def problems(self, split):  # noqa: ARG002 - PPOTrainer reads the RL prompts from the task
         return list(range(8))
-
-
-def make_old_path_trainer():
-    """PPOTrainer with the micro-batch code it had before issue 16 (full logits, padded width)."""
-    from prmppo.ppo import maths
-    from prmppo.ppo.loop import PPOTrainer
-    from prmppo.rewards.kl import kl_estimate
-
-    class OldPathTrainer(PPOTrainer):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            for optimizer in (self.policy_optimizer, self.value_optimizer):  # the old optimizers were unfused
-                for group in [] if optimizer is None else optimizer.param_groups:
-                    group["fused"] = None
-
-        def _response_logprobs(self, logits, response_ids, prompt_length):
-            width = response_ids.shape[1]
-            scaled = logits[:, prompt_length - 1:prompt_length - 1 + width].float() / self.ppo.temperature
-            return maths.logprobs_from_logits(scaled, response_ids)  # [b, T]
-
-        @torch.no_grad()
-        def _old_and_reference(self, batch, plan, keep):  # noqa: ARG002 - the old pass had no plan
-            dev, plen, width = self.device, batch.prompt_length, batch.response_ids.shape[1]
-            old_lp, ref_lp, values, after = [], [], [], []
-            self.policy.train(False)
-            for rows in torch.arange(len(batch)).split(self.ppo.micro_batch_rows):
-                ids, att, pos = (t[rows].to(dev) for t in (batch.input_ids, batch.attention_mask, batch.position_ids))
-                response_ids = batch.response_ids[rows].to(dev)
-                logits, vals = self.policy.forward(ids, att, pos)
-                old_lp.append(self._response_logprobs(logits, response_ids, plen))
-                ref_lp.append(self._response_logprobs(self.policy.reference_logits(ids, att, pos), response_ids, plen))
-                if vals is not None:
-                    values.append(vals[:, plen - 1:plen - 1 + width])
-                    lengths = batch.response_mask[rows].sum(-1).long().to(dev)
-                    after.append(vals.gather(1, (plen - 1 + lengths)[:, None]).squeeze(1))
-            cat = lambda xs: torch.cat(xs) if xs else None  # noqa: E731
-            return torch.cat(old_lp), torch.cat(ref_lp), cat(values), cat(after)
-
-        def _micro_loss(self, mb, tokens, seqs, train_policy):
-            ppo = self.ppo
-            logits, values = self.policy.forward(mb.input_ids, mb.attention_mask, mb.position_ids)
-            plen, width = mb.prompt_length, mb.response_ids.shape[1]
-            counts = dict(global_token_count=tokens, global_seq_count=seqs, norm_length=float(ppo.max_new_tokens))
-            loss, stats = 0.0, {}
-            if self.uses_critic:
-                head = self.policy.value_head
-                v_loss, v_clip = maths.value_loss(head.normalise(values[:, plen - 1:plen - 1 + width]),
-                                                  head.normalise(mb.old_values), head.normalise(mb.returns),
-                                                  mb.response_mask, ppo.value_clip, ppo.loss_agg, **counts)
-                loss, stats = ppo.vf_coef * v_loss, {"value/loss": v_loss.detach(), "value/clip_fraction": v_clip}
-            if train_policy:
-                logprobs = self._response_logprobs(logits, mb.response_ids, mb.prompt_length)
-                p_loss, pstats = maths.policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
-                                                   ppo.clip_low, ppo.clip_high, ppo.clip_c, ppo.loss_agg, **counts)
-                entropy = maths.entropy_from_logits(logits[:, plen - 1:plen - 1 + width].float() / ppo.temperature)
-                ent = maths.aggregate(entropy, mb.response_mask, ppo.loss_agg, **counts)
-                loss = loss + p_loss - ppo.entropy_coef * ent
-                if ppo.kl_loss_coef > 0:
-                    kl = maths.aggregate(kl_estimate(logprobs, mb.ref_logprobs, ppo.kl_loss_estimator),
-                                         mb.response_mask, ppo.loss_agg, **counts)
-                    loss = loss + ppo.kl_loss_coef * kl
-                stats.update({"ppo/policy_loss": p_loss.detach(), "ppo/entropy": ent.detach(),
-                              **{f"ppo/{k}": v for k, v in pstats._asdict().items()}})
-            return loss, stats
-
-        def _accumulate(self, train, host, minibatch, train_policy, sums):  # noqa: ARG002 - cut on the device
-            minibatch = train.rows(minibatch.rows.to(train.input_ids.device))
-            tokens = float(minibatch.response_mask.sum())
-            seqs = float((minibatch.response_mask.sum(-1) > 0).sum())
-            ran, ratio = 0, None
-            for micro in torch.arange(len(minibatch.input_ids)).split(self.ppo.micro_batch_rows):
-                part = minibatch.rows(micro.to(minibatch.input_ids.device))
-                loss, stats = self._micro_loss(part, tokens, seqs, train_policy)
-                loss.backward()
-                if ratio is None and train_policy:
-                    ratio = (float(stats["ppo/ratio_min"]), float(stats["ppo/ratio_max"]))
-                for key, value in stats.items():
-                    sums[key] = sums.get(key, 0.0) + float(value)
-                ran += 1
-            return ran, ratio
-
-    return OldPathTrainer
 
 
 def _sync(device: str) -> None:
@@ -298,33 +204,28 @@ def _train_batch(trainer, rollout, plan, device: torch.device):
                       rollout.prompt_length)
 
 
-def run_path(path: str, args, rollout) -> dict:
-    """Median seconds of the no-grad forwards and of the update, and peak memory, for one path."""
+def measure(args, rollout) -> dict:
+    """Median seconds of the no-grad forwards and of the update, and peak memory."""
     from prmppo.distributed.ranks import OneProcess
     from prmppo.ppo.loop import PPOTrainer
 
     cuda = args.device.startswith("cuda")
-    policy, n_params = build_policy(args, path)
-    cls = make_old_path_trainer() if path == "old" else PPOTrainer
-    trainer = cls(policy=policy, tokenizer=None, task=_Task(), reward=None, engine=None, sync=None,
-                  ppo=ppo_config(args, path), logger=None, ranks=OneProcess(torch.device(args.device)), seed=0)
+    policy, n_params = build_policy(args)
+    trainer = PPOTrainer(policy=policy, tokenizer=None, task=_Task(), reward=None, engine=None, sync=None,
+                         ppo=ppo_config(args), logger=None, ranks=OneProcess(torch.device(args.device)), seed=0)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     plan = trainer.plan(rollout, 0)  # the micro-batches the no-grad pass and the update share
     forwards = [_timed(lambda: _no_grad_pass(trainer, rollout, plan), args.device) for _ in range(args.repeats)]
     train = _train_batch(trainer, rollout, plan, torch.device(args.device))
     # warm-up (allocator, kernels, optimizer state); its first minibatch runs the unchanged policy, so
-    # its ratio to the old logprobs is the ratio tripwire's noise floor in this dtype (0 on the new path,
-    # whose no-grad pass runs the update's own micro-batches)
+    # its ratio to the old logprobs is the ratio tripwire's noise floor in this dtype (0 when the no-grad
+    # pass runs the update's own micro-batches, as it does)
     ratio_dev = trainer.update(train, 0, plan)["ppo/first_minibatch_ratio_dev"]
     updates = [_timed(lambda: trainer.update(train, 0, plan), args.device) for _ in range(args.repeats)]
-    if args.profile and path == "new":
+    if args.profile:
         profile_update(trainer, train, plan, args.device)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-    del trainer, policy, train
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
     return {"update_s": statistics.median(updates), "forwards_s": statistics.median(forwards), "peak_gib": peak,
             "n_params": n_params, "ratio_dev": ratio_dev}
 
@@ -343,7 +244,7 @@ def profile_update(trainer, train, plan, device: str, rows: int = 20) -> None:
         wall = time.perf_counter() - start
     sort = "cuda_time_total" if cuda else "cpu_time_total"
     averages = prof.key_averages()
-    print(f"profile of one new-path update, top {rows} ops by {sort}:")
+    print(f"profile of one more update, top {rows} ops by {sort}:")
     print(averages.table(sort_by=sort, row_limit=rows))
     if cuda:
         # device time summed over the device's own events (kernels and copies, which run one at a time on one
@@ -357,34 +258,29 @@ def profile_update(trainer, train, plan, device: str, rows: int = 20) -> None:
               f"host calls that can wait on the device: {waits}")
 
 
-def report(args, results: dict, tokens: int, padded: int) -> None:
+def report(args, result: dict, tokens: int, padded: int) -> None:
     peak = peak_tflops(args)
     device = torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda") else "cpu"
-    n_params = next(iter(results.values()))["n_params"]
-    micro_tokens = f" (new path: at most {args.micro_batch_tokens} tokens)" if args.micro_batch_tokens else ""
+    n_params = result["n_params"]
+    micro_tokens = f" (at most {args.micro_batch_tokens} tokens)" if args.micro_batch_tokens else ""
+    policy = "LoRA r 16" if args.lora else "full"
     print(f"device: {device}; bf16 dense peak: {f'{peak:.0f} TFLOP/s' if peak else 'unknown (--peak-tflops)'}")
     print(f"model: {args.model or args.shape}, N = {n_params / 1e6:.1f}M parameters (base model, embeddings "
           f"included, tied head once); {'LoRA r=16, all linear layers' if args.lora else 'full fine-tuning'}; "
-          f"model.dtype={args.dtype}, ppo.autocast={args.autocast} (new path), "
+          f"model.dtype={args.dtype}, ppo.autocast={args.autocast}, "
           f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}, ppo.compile="
-          f"{str(args.compile).lower()} (new path)")
+          f"{str(args.compile).lower()}")
     print(f"rollout: {args.rows} rows, prompts ~{args.prompt_tokens} tokens, responses {args.min_new_tokens}-"
           f"{args.new_tokens} tokens; {tokens} real tokens per update of {padded} padded "
           f"({100 * (1 - tokens / padded):.0f}% padding); minibatch {args.minibatch_rows} rows, micro-batch "
           f"{args.micro_batch_rows} rows{micro_tokens}; medians of {args.repeats}")
-    print("| path | update s | update tok/s | MFU (6N) | no-grad forwards s | peak GiB | first ratio dev |")
+    print("| policy | update s | update tok/s | MFU (6N) | no-grad forwards s | peak GiB | first ratio dev |")
     print("|---|---|---|---|---|---|---|")
-    for path, r in results.items():
-        rate = tokens / r["update_s"]
-        mfu = f"{100 * 6 * n_params * rate / (peak * 1e12):.1f}%" if peak else "n/a"
-        mem = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "n/a"
-        print(f"| {path} | {r['update_s']:.3f} | {rate:,.0f} | {mfu} | {r['forwards_s']:.3f} | {mem} | "
-              f"{r['ratio_dev']:.2g} |")
-    if set(results) == {"old", "new"}:
-        old, new = results["old"], results["new"]
-        mem = (f", peak memory {new['peak_gib'] / old['peak_gib']:.2f}x" if new["peak_gib"] is not None else "")
-        print(f"new / old: update {old['update_s'] / new['update_s']:.2f}x faster, no-grad forwards "
-              f"{old['forwards_s'] / new['forwards_s']:.2f}x faster{mem}")
+    rate = tokens / result["update_s"]
+    mfu = f"{100 * 6 * n_params * rate / (peak * 1e12):.1f}%" if peak else "n/a"
+    mem = f"{result['peak_gib']:.1f}" if result["peak_gib"] is not None else "n/a"
+    print(f"| {policy} | {result['update_s']:.3f} | {rate:,.0f} | {mfu} | {result['forwards_s']:.3f} | {mem} | "
+          f"{result['ratio_dev']:.2g} |")
 
 
 def main() -> int:
@@ -396,8 +292,7 @@ def main() -> int:
         vocab = check_model_dir(args.model).vocab_size
     rollout = synthetic_rollout(args, vocab)
     tokens = int(rollout.attention_mask.sum())
-    results = {path: run_path(path, args, rollout) for path in args.paths.split(",")}
-    report(args, results, tokens, rollout.attention_mask.numel())
+    report(args, measure(args, rollout), tokens, rollout.attention_mask.numel())
     return 0
 
 

@@ -40,6 +40,30 @@ def smoke_cfg(tmp_path):
     return make
 
 
+# The test tiers: `python -m pytest -q` (the README's command) leaves out the tests marked `slow`
+# (pyproject.toml's addopts); `-m slow` runs them, `-m "slow or not slow"` everything (.ci/run). A slow
+# test is marked in its file; the tests of several ranks are marked here, by folder (tests/dist, named
+# tests/distributed after the package it mirrors), since each of them starts torchrun or a gloo process
+# group and trains on two processes: all but the launch gates' and the sharded checkpoint's refusals,
+# which run in-process in seconds (the subprocess refusal below excepted). A `vllm` test is slow too: each
+# starts the vLLM engine (10-25 s on a CPU, most of it vLLM's import).
+RANKS_FOLDERS = ("dist", "distributed")
+FAST_RANKS_FILES = ("test_launch.py", "test_dist_checkpoint.py")
+SLOW_RANKS_TESTS = ("test_a_multi_rank_launch_without_a_run_dir_is_refused",)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    tests_dir = Path(__file__).resolve().parent
+    for item in items:
+        path = Path(str(item.fspath))
+        if item.get_closest_marker("vllm") is not None:
+            item.add_marker(pytest.mark.slow)
+        elif path.parent.parent == tests_dir and path.parent.name in RANKS_FOLDERS and (
+                path.name not in FAST_RANKS_FILES or item.originalname in SLOW_RANKS_TESTS):
+            item.add_marker(pytest.mark.slow)
+
+
 # The vLLM engine environment (scripts/setup_vllm_env.sh makes it at REPO/.venv-vllm); CI sets
 # PRMPPO_REQUIRE_VLLM=1 so that its absence fails the `vllm` tests instead of skipping them.
 VLLM_PYTHON = os.environ.get("PRMPPO_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")

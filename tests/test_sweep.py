@@ -9,6 +9,7 @@ import logging
 import math
 from pathlib import Path
 
+import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
@@ -59,6 +60,7 @@ def test_objective_is_a_dotted_path_into_the_summary():
     assert math.isnan(objective_value(summary, "flag"))
 
 
+@pytest.mark.slow  # a multirun of subprocess jobs
 def test_a_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path):
     # job 0 is refused by config validation at run time, job 1 trains; the sweep must run both
     sweep_dir = tmp_path / "multirun"
@@ -112,6 +114,7 @@ def test_optional_optuna_sweeper_and_slurm_launcher_compose():
     validate_config(slurm)
 
 
+@pytest.mark.slow  # a multirun of subprocess jobs
 def test_optuna_sweeper_runs_trials_on_the_jobs_objective(tmp_path):
     sweep_dir = tmp_path / "optuna"
     proc = run_prmppo(["-m", "sweep=optuna", "stage=sft", "debug=smoke", "sft.steps=2", "sft.warmup_steps=1",
@@ -129,6 +132,7 @@ def test_optuna_sweeper_runs_trials_on_the_jobs_objective(tmp_path):
     assert 0.001 <= results.best_params["sft.lr"] <= 0.01
 
 
+@pytest.mark.slow  # a multirun of subprocess jobs
 def test_parallel_launcher_runs_jobs_at_once_and_they_share_one_sft(tmp_path):
     # two jobs of one seed start together under the joblib launcher: one trains the SFT checkpoint,
     # the other waits on its build lock and reuses it

@@ -13,7 +13,7 @@ python -m prmppo stage=prm prm_train.head=step_logprobs hydra.run.dir="$O/prm_st
 python benchmarks/cpu_pipeline.py --run-dir "$O/default" > "$O/cpu_pipeline.txt" 2>&1
 sft=$(ls -d "$O"/artifacts/sft-*); default_prm=$(python -c "import json,sys; print(json.load(open(sys.argv[1]))['summary']['prm']['prm_dir'])" "$O/default/stage_result.json")
 old_prm=$(python -c "import json,sys; print(json.load(open(sys.argv[1]))['summary']['prm_dir'])" "$O/prm_step_logprobs/stage_result.json")
-python benchmarks/prm_likelihood.py --checkpoint "$sft" --prm "$default_prm" "$old_prm" 2>/dev/null | grep -v Loading > "$O/prm_likelihood.txt"
+python experiments/prm_likelihood/prm_likelihood.py --checkpoint "$sft" --prm "$default_prm" "$old_prm" 2>/dev/null | grep -v Loading > "$O/prm_likelihood.txt"
 for n in 64 256; do
   python scripts/grpo_identical_groups.py "$O/default" --prompts "$n" 2>/dev/null | grep group_std > "$O/grpo_identical_$n.txt"
 done

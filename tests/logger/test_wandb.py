@@ -29,6 +29,7 @@ def wandb_home(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.slow  # SFT and PPO with an offline W&B run
 def test_offline_run_holds_the_resolved_config_grouping_and_the_jsonl_metrics(smoke_cfg, wandb_home):
     cfg = smoke_cfg("stage=sft", "logger=wandb", "experiment_name=wandb_check", "seed=3")
     assert cfg.logger.mode == "auto"  # no key configured: auto means offline

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import nbclient
 import nbformat
+import pytest
 
 from conftest import REPO
+
+# executes the notebook on a real 4-job sweep (tiny_sweep)
+pytestmark = pytest.mark.slow
 
 
 def test_analysis_notebook_executes_on_a_tiny_sweep(tiny_sweep, monkeypatch):

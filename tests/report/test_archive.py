@@ -149,6 +149,7 @@ def test_a_run_inside_an_archive_is_named_by_the_archive(sweep, tmp_path, capsys
     assert "/prmppo-report-" not in err
 
 
+@pytest.mark.slow  # regenerates the fixture study twice; CI runs scripts/check_reproduce.sh itself
 def test_check_reproduce_passes_the_fixture_study_and_fails_an_edited_one(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable}
     script = REPO / "scripts" / "check_reproduce.sh"

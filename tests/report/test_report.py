@@ -142,6 +142,7 @@ def _final_from_jsonl(run_dir: Path, key: str = "eval/test_greedy_accuracy") -> 
     return max(evals, key=lambda r: r["eval/ppo_iterations"])[key]
 
 
+@pytest.mark.slow  # a real 4-job sweep (tiny_sweep)
 def test_report_cli_on_a_tiny_multirun_writes_plots_and_table(tiny_sweep, tmp_path):
     out = tmp_path / "report"
     proc = subprocess.run([sys.executable, "-m", "prmppo.report", str(tiny_sweep), "--out", str(out)],
@@ -381,6 +382,7 @@ def test_a_run_whose_reward_cannot_be_built_is_named(tmp_path):
         find_runs([tmp_path])
 
 
+@pytest.mark.slow  # a whole smoke pipeline
 def test_a_pipeline_run_is_read_with_the_final_evaluation_eval_json_holds(smoke_cfg):
     from prmppo.app import run
 

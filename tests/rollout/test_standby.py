@@ -149,6 +149,7 @@ def test_the_entry_point_imports_no_torch_before_the_config_is_composed():
     assert done.stdout.strip() == "[]"
 
 
+@pytest.mark.slow  # SFT and PPO in a subprocess
 def test_python_m_prmppo_stage_ppo_runs_its_worker_in_the_standby(tmp_path):
     from conftest import run_prmppo
 

@@ -17,6 +17,9 @@ from dataclasses import asdict
 import pytest
 import torch
 
+# worker processes started, killed and hung on purpose; each pipeline smoke run also starts one
+pytestmark = pytest.mark.slow
+
 peft = pytest.importorskip("peft")
 from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM  # noqa: E402
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import multiprocessing as mp
 from pathlib import Path
 
+import pytest
+
 from prmppo import artifacts
 from prmppo.stages.sft_training import ensure_sft
 from prmppo.config.build import build
@@ -21,6 +23,7 @@ def _ensure(cfg, run_dir: str, start, results) -> None:
         results.put(("error", repr(exc)))
 
 
+@pytest.mark.slow  # concurrent smoke runs racing for one artifact
 def test_concurrent_runs_build_the_sft_artifact_once(smoke_cfg, tmp_path):
     cfg = smoke_cfg("stage=sft")
     ctx = mp.get_context("spawn")  # fresh interpreters: forking a process whose torch thread pool is live can crash

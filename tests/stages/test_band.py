@@ -213,6 +213,7 @@ def test_the_band_key_follows_the_sft_checkpoint_and_the_measurement_only():
 # ------------------------------------------------------------------------------ the real stages
 
 
+@pytest.mark.slow  # SFT, then the band measured through the worker
 def test_band_stage_smoke_writes_the_band_and_reuses_it(smoke_cfg):
     cfg = smoke_cfg("stage=band")
     summary = run(cfg)
@@ -244,6 +245,7 @@ def test_ppo_refuses_a_malformed_band_file_before_any_weights(smoke_cfg, tmp_pat
     assert not Path(cfg.artifacts_dir).exists()  # refused before SFT
 
 
+@pytest.mark.slow  # SFT and PPO on the band
 def test_ppo_smoke_on_a_band_file_dropping_uniform_groups(smoke_cfg, tmp_path):
     cfg = smoke_cfg("stage=ppo", "ppo.drop_uniform_groups=true")
     task = build(cfg.task, "task")
@@ -264,6 +266,7 @@ def test_ppo_smoke_on_a_band_file_dropping_uniform_groups(smoke_cfg, tmp_path):
     assert summary["policy_steps"] == summary["planned_policy_steps"] == 4  # the schedule kept its horizon
 
 
+@pytest.mark.slow  # the right-sometimes SFT policy, then band and PPO
 def test_pipeline_runs_band_between_sft_and_ppo(smoke_cfg, right_sometimes_sft):
     # from a policy right part of the time, so that some of 16 prompts have a pass rate inside the band
     cfg = smoke_cfg("arm=orm", *RIGHT_SOMETIMES, "band.enabled=true", "band.problems=16", "band.k=4")

@@ -5,10 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from conftest import RIGHT_SOMETIMES
 from prmppo.app import run
 from prmppo.evaluation import score
 from prmppo.models.loading import load_model, load_tokenizer
+
+# PPO runs from the right-sometimes SFT policy (150 SFT steps per seed, built once a session)
+pytestmark = pytest.mark.slow
 
 
 def _rows(run_dir: Path) -> list[dict]:

@@ -12,6 +12,7 @@ import json
 from itertools import combinations
 from pathlib import Path
 
+import pytest
 import torch
 
 from conftest import RIGHT_SOMETIMES
@@ -37,6 +38,7 @@ def _pass_at(k: int, right: list[bool]) -> float:
     return sum(any(subset) for subset in subsets) / len(subsets)
 
 
+@pytest.mark.slow  # the right-sometimes SFT policy (150 steps)
 def test_eval_stage_numbers_equal_an_independent_recount(smoke_cfg, right_sometimes_sft, tmp_path):
     # a checkpoint made elsewhere, named on the command line: `python -m prmppo stage=eval eval.checkpoint=...`
     (checkpoint,) = right_sometimes_sft(tmp_path / "elsewhere", 0).values()

@@ -32,6 +32,9 @@ import pytest
 
 from prmppo.ppo.checkpoint import latest_checkpoint, read_meta
 
+# kills trainers and workers mid-run and relaunches them to the end: minutes
+pytestmark = pytest.mark.slow
+
 # the moving setup of tests/stages/test_resume.py, with a critic (gae) whose state must travel too:
 # a resume that lost state would show
 MOVING = ["stage=ppo", "debug=smoke", "ppo.iterations=4", "ppo.lr=0.05", "ppo.warmup_steps=0",

@@ -21,9 +21,10 @@ from prmppo.config.build import build
 from prmppo.models.loading import load_tokenizer
 
 DATA_DIR = Path(os.environ.get("PRMPPO_DATA_DIR", REPO.parent / "shared" / "data")) / "gsm8k"
-pytestmark = pytest.mark.skipif(
+# slow: every stage on GSM8K with a BPE tokenizer trained first, each run a subprocess
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not (DATA_DIR / "train.jsonl").is_file() or not (DATA_DIR / "test.jsonl").is_file(),
-    reason=f"no GSM8K train.jsonl/test.jsonl at {DATA_DIR} (set PRMPPO_DATA_DIR to the folder holding gsm8k/)")
+    reason=f"no GSM8K train.jsonl/test.jsonl at {DATA_DIR} (set PRMPPO_DATA_DIR to the folder holding gsm8k/)")]
 
 SMOKE_GSM8K = ["debug=smoke", "task=gsm8k", f"task.data_dir={DATA_DIR}"]
 

@@ -21,6 +21,9 @@ from prmppo.app import run
 from prmppo.config.build import build
 from prmppo.models.tiny import build_bpe_tokenizer, sft_texts
 
+# every stage on a random model of each Hugging Face architecture: about a minute each
+pytestmark = pytest.mark.slow
+
 SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=256)
 

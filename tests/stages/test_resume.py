@@ -18,6 +18,9 @@ from prmppo.app import run
 from prmppo.errors import EXIT_STOPPED, StopRequested
 from prmppo.ppo.checkpoint import latest_checkpoint, read_meta
 
+# stopped, resumed and uninterrupted PPO runs side by side, each a subprocess: minutes
+pytestmark = pytest.mark.slow
+
 # a large LR and an entropy bonus move the smoke policy every iteration, so a resume that lost
 # any state (weights, Adam moments, LR schedule, engine weights) would show in the metrics
 MOVING = ["stage=ppo", "ppo.iterations=4", "ppo.lr=0.05", "ppo.warmup_steps=0", "ppo.entropy_coef=1.0"]

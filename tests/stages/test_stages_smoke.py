@@ -29,7 +29,9 @@ def test_sft_smoke_trains_saves_and_reports(smoke_cfg):
     assert result["stage"] == "sft" and 0.0 <= result["summary"]["test"]["greedy_accuracy"] <= 1.0
 
 
-@pytest.mark.parametrize("sync", ["checkpoint", "adapter", "shared"])
+# the default sync in the fast tier; the other two, each another SFT and PPO run, in the slow one
+@pytest.mark.parametrize("sync", ["checkpoint", pytest.param("adapter", marks=pytest.mark.slow),
+                                  pytest.param("shared", marks=pytest.mark.slow)])
 def test_ppo_smoke_engine_matches_trainer_after_sync(smoke_cfg, sync):
     # a large LR and an entropy bonus move the policy in one update, far enough that a stale
     # engine would show
@@ -101,8 +103,8 @@ def test_pipeline_smoke_writes_eval_of_both_policies(smoke_cfg):
 SCORER_OF = {"prm": "learned", "prm_oracle": "oracle", "prm_likelihood_control": "likelihood_control"}
 
 
-@pytest.mark.parametrize("reward, estimator", [("prm", "gae"), ("prm_oracle", "gae"), ("prm_oracle", "rloo"),
-                                               ("prm_likelihood_control", "gae")])
+@pytest.mark.parametrize("reward, estimator", [("prm", "gae"), pytest.param("prm_oracle", "gae", marks=pytest.mark.slow),
+                                               ("prm_oracle", "rloo"), ("prm_likelihood_control", "gae")])
 def test_prm_arm_smoke_runs_ppo_with_step_rewards(smoke_cfg, reward, estimator):
     cfg = smoke_cfg("stage=ppo", "arm=prm", f"reward={reward}", f"ppo.advantage_estimator={estimator}")
     summary = run(cfg)

@@ -1,16 +1,16 @@
 """Can a head on the frozen SFT model's hidden states replace the trained PRM at a fraction of its CPU time?
 
-    python benchmarks/prm_probe.py --checkpoint artifacts/sft-<key> [overrides of python -m prmppo]
+    python experiments/prm_probe/prm_probe.py --checkpoint artifacts/sft-<key> [overrides of python -m prmppo]
 
 The PRM stage trains a LoRA adapter and a head for 3000 steps x 256 responses (most of the embedded
 default's CPU time). This measures a cheaper route on the same labels: the stage's own step labels
-(`_samples`, the same config and seed), one no-grad forward of the frozen SFT model over every
-labelled response, its hidden states at the step ends kept as features (the last layer, or every
-layer concatenated) beside the model's own logprobs of the step's tokens (min, mean, last, count),
-and a small head trained on those features alone. Each head is then scored by
-the stage's own evaluation (`evaluate_prm`: held-out step accuracy on gold and corrupted solutions,
+(`stage_samples`: the labelling step's calls, with the same config and seed), one no-grad forward
+of the frozen SFT model over every labelled response, its hidden states at the step ends kept as
+features (the last layer, or every layer concatenated) beside the model's own logprobs of the step's
+tokens (min, mean, last, count), and a small head trained on those features alone. Each head is then
+scored by the stage's own evaluation (`evaluate_prm`: held-out step accuracy on gold and corrupted solutions,
 best-of-N with each aggregation against majority vote). Prints the seconds of each part and the
-figures per head, one line each; `--json` also writes them.
+figures per head, one line each; `--json` also writes them. The figures: README.md here.
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ from prmppo.__main__ import CONF_DIR
 from prmppo.config.build import build
 from prmppo.config.store import register_schemas
 from prmppo.models.loading import load_model, load_tokenizer
+from prmppo.models.prm_labels import PolicySampler, make_step_labels
+from prmppo.ppo.batch import collate
 from prmppo.rewards.steps import StepBoundaries
-from prmppo.stages.prm import _samples, _train_batch, evaluate_prm, step_bce
+from prmppo.stages.prm import evaluate_prm, step_bce
 
 def parse_args() -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -42,6 +44,39 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--json", default="", help="also write the figures here")
     return parser.parse_known_args()
+
+
+def stage_samples(cfg, task, tokenizer, model, boundaries, rng: random.Random):
+    """(step-labelled examples, best-of-N candidates or None, `rng`'s state after them): the PRM stage's
+    labelling step (stages/prm.py) made with the same calls in the same order, so the same config and
+    seed give the stage's own labels and held-out candidates."""
+    p = cfg.prm_train
+    sampler = PolicySampler(model, temperature=1.0, max_new_tokens=p.max_new_tokens,
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                            batch_rows=cfg.eval.batch_rows, seed=cfg.seed)
+    examples = make_step_labels(
+        p.label_source, task=task, tokenizer=tokenizer, problems=task.problems("train")[: p.train_problems],
+        sampler=sampler, samples_per_problem=p.samples_per_problem, mc_completions=p.mc_completions,
+        estimation=p.estimation, boundaries=boundaries, rng=rng)
+    candidates = None
+    if p.best_of_n > 0:
+        test = task.problems("test")[: p.eval_problems]
+        flat = sampler([tokenizer(task.format_prompt(q))["input_ids"] for q in test], p.best_of_n)
+        candidates = [flat[i * p.best_of_n:(i + 1) * p.best_of_n] for i in range(len(test))]
+    return examples, candidates, rng.getstate()
+
+
+def label_batch(examples, pad_token_id: int) -> tuple:
+    """(input_ids, attention_mask, position_ids, P, targets [b, T], label_mask [b, T] bool) of labelled
+    examples, collated as the stage's training batches are."""
+    ids, att, pos, response_ids, _, plen = collate([e.prompt_ids for e in examples],
+                                                   [e.response_ids for e in examples], pad_token_id)
+    targets = torch.zeros(response_ids.shape, dtype=torch.float32)  # [b, T]
+    label_mask = torch.zeros(response_ids.shape, dtype=torch.bool)  # [b, T]
+    for row, example in enumerate(examples):
+        targets[row, example.step_end_positions] = torch.tensor(example.labels)
+        label_mask[row, example.step_end_positions] = True
+    return ids, att, pos, plen, targets, label_mask
 
 
 def compose_cfg(overrides: list[str]):
@@ -79,7 +114,7 @@ def step_features(model, examples, pad_token_id: int, rows: int) -> tuple[torch.
     """(features [n, L + 2, H] at every labelled step end, labels [n])."""
     feats, labels = [], []
     for start in range(0, len(examples), rows):
-        ids, att, pos, plen, targets, mask = _train_batch(examples[start:start + rows], pad_token_id, "cpu")
+        ids, att, pos, plen, targets, mask = label_batch(examples[start:start + rows], pad_token_id)
         feats.append(features(model, ids, att, pos, plen, mask)[mask])  # [n_b, L+2, H]
         labels.append(targets[mask])
     return torch.cat(feats), torch.cat(labels)
@@ -149,7 +184,7 @@ def main() -> None:
     rng = random.Random(f"{cfg.seed}-prm")  # the stage's stream: the same labels and held-out draws
 
     start = time.perf_counter()
-    examples, candidates, rng_state = _samples(cfg, task, tokenizer, model, boundaries, rng, False)
+    examples, candidates, rng_state = stage_samples(cfg, task, tokenizer, model, boundaries, rng)
     label_s = time.perf_counter() - start
     start = time.perf_counter()
     feats, labels = step_features(model, examples, tokenizer.pad_token_id, p.chunk_rows)

@@ -7,12 +7,12 @@ or trained once by the first job before the others start), run `--parallel` at a
 accuracy, first-error F1, best-of-N with `min` aggregation against majority vote, and the
 labelling and training seconds from the stage's own summary.
 
-    python benchmarks/prm_budget.py --parallel 2 --threads 1                # the built-in grid
-    python benchmarks/prm_budget.py --only classifier_default,lr1e-2_s600 topology=gpu  # a subset, on a GPU
-    python benchmarks/prm_budget.py --sft-ready --parallel 5 --threads 2 --pin --only sl_s150,sl_s200  # 2 cores each
+    python experiments/prm_budget/prm_budget.py --parallel 2 --threads 1                # the built-in grid
+    python experiments/prm_budget/prm_budget.py --only classifier_default,lr1e-2_s600 topology=gpu  # on a GPU
+    python experiments/prm_budget/prm_budget.py --sft-ready --parallel 5 --threads 2 --pin --only sl_s150,sl_s200
 
 Extra arguments are overrides for every job (e.g. `topology=gpu`, `seed=1`). Seconds are only
-comparable between jobs of one run (the jobs share the machine).
+comparable between jobs of one run (the jobs share the machine). The figures: README.md here.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Does a trained PRM score right steps by how likely the SFT policy finds them?
 
-    python benchmarks/prm_likelihood.py --checkpoint artifacts/sft-<key> --prm artifacts/prm-<a> artifacts/prm-<b>
+    python experiments/prm_likelihood/prm_likelihood.py --checkpoint artifacts/sft-<key> --prm artifacts/prm-<a> artifacts/prm-<b>
 
-Give every PRM to compare in one run (e.g. the `log_ratio` default, the `step_logprobs` head and the
+Give every PRM to compare in one run (e.g. the `mode_gap` default, the `step_logprobs` head and the
 classifier, trained on the same SFT checkpoint): they score the same samples.
 
 A PRM arm is only a step-quality comparison with the ORM arm if the PRM's step scores say whether a
@@ -28,7 +28,7 @@ The first row is that rule, `StepLogprobHead` at its init on the SFT model (the 
 `reward=prm_likelihood_control`); the second is the default `mode_gap` head at its init, before any
 training (the SFT model's greedy-agreement rule).
 
-Runs on the CPU in about a minute for the default task.
+Runs on the CPU in about a minute for the default task. The figures: README.md here.
 """
 
 from __future__ import annotations
