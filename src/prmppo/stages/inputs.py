@@ -12,9 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import NamedTuple
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from prmppo.config.build import build
+from prmppo.config.schema import LoraAdapterConfig
 from prmppo.distributed.launch import ranks_on_this_node
 from prmppo.guards.gates import (check_label_source, check_rollout_engine, check_step_scorer, check_topology,
                                  check_trainable_modules, verifier_receipt)
@@ -40,7 +41,7 @@ def early_gates(cfg: DictConfig, task) -> dict:
                                                    head_dim(architecture), architecture_source),
             "step_scorer": check_step_scorer(task, reward),
             "prm_labels": check_label_source(task, cfg.prm_train.label_source, needed=reward.needs_learned_prm),
-            "trainable_modules": check_trainable_modules(list(cfg.lora.get("modules_to_save") or []),
+            "trainable_modules": check_trainable_modules(_modules_to_save(cfg.lora),
                                                          architecture, architecture_source)}
 
 
@@ -75,3 +76,9 @@ def ppo_inputs(cfg: DictConfig, task, run_dir: Path, ranks, known_band: Band | N
         prm_dir, prm_summary = ensure_prm(cfg, task, run_dir, sft_dir, reuse=True, ranks=ranks)
     band = ranks.main_first(lambda: ppo_band(cfg, task, run_dir, sft_dir, known_band))
     return PPOInputs(sft_dir, sft_summary, prm_dir, prm_summary, band)
+
+
+def _modules_to_save(lora) -> list[str]:
+    """The modules trained in full beside the adapter: `lora.modules_to_save` under `lora=adapter`; none under
+    `lora=none` (full fine-tuning trains every module, and its schema has no such key)."""
+    return list(lora.modules_to_save) if issubclass(OmegaConf.get_type(lora), LoraAdapterConfig) else []
