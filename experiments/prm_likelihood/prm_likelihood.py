@@ -38,11 +38,11 @@ import argparse
 import torch
 
 from prmppo.models.loading import load_model, load_tokenizer
-from prmppo.config.schema import PRMTrainConfig
-from prmppo.models.prm import (LearnedStepScorer, LikelihoodControlScorer, load_prm, make_head, new_prm,
-                               step_logprob_stats)
+from prmppo.models.token_scores import logprobs_from_logits
+from prmppo.config.stage_schema import PRMTrainConfig
+from prmppo.models.prm import LearnedStepScorer, LikelihoodControlScorer, load_prm, make_head, new_prm
+from prmppo.models.prm_heads import step_logprob_stats
 from prmppo.models.prm_labels import PolicySampler, row_step_ends
-from prmppo.ppo.maths import logprobs_from_logits
 from prmppo.rewards.steps import StepBoundaries, align_step_labels
 from prmppo.stages.prm import ScoreRows
 from prmppo.tasks.arith import ArithTask

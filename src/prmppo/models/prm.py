@@ -39,7 +39,6 @@ from torch.distributed.fsdp import FSDPModule
 
 from prmppo.models.policy import _causal_lm, adapters_off, decoder_mask
 from prmppo.models.prm_heads import StepInputs, StepLogprobHead, make_head
-from prmppo.models.prm_heads import step_logprob_stats  # noqa: F401  benchmarks/prm_likelihood.py reads it here
 from prmppo.models.root_forward import as_root_forward
 from prmppo.models.token_scores import logprobs_from_logits
 from prmppo.rewards.prm import SCORER_KINDS

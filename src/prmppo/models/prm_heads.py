@@ -114,7 +114,7 @@ class StepLogprobHead(nn.Module):
     and, through the logprobs, the adapter. SCALE makes the map move SCALE times faster at the
     stage's learning rate and the scores saturate: with 1 the default PRM scored no right step of
     the SFT policy's samples >= 0.9 after 300 steps, with 10 it scores 98-99% of them >= 0.9
-    (benchmarks/prm_likelihood.py; benchmarks/RESULTS.md)."""
+    (experiments/prm_likelihood/)."""
 
     kind, reads = "step_logprobs", "token_logprobs"
     SCALE = 10.0
