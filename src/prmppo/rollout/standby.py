@@ -25,9 +25,6 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
-from prmppo.config.schema import HFModelConfig, TinyModelConfig
 from prmppo.rollout.process import resolve_python, worker_env, worker_import_dir
 
 STANDBY_ENGINES = ("hf",)
@@ -82,7 +79,13 @@ def model_type(model_cfg) -> str:
     """The transformers `model_type` of the model a config names, read without importing transformers:
     `model=tiny` builds a Mistral; `model=hf` names a directory whose config.json says; "" for any other
     model source, a path not given yet or an unreadable directory (the standby then imports less, nothing
-    else changes; validation names a missing path)."""
+    else changes; validation names a missing path). The config's modules are imported here, not at the
+    top: the rollout package is also imported by the worker in the engine's own environment, which has no
+    omegaconf."""
+    from omegaconf import OmegaConf
+
+    from prmppo.config.schema import HFModelConfig, TinyModelConfig
+
     if model_cfg._target_ == TinyModelConfig._target_:
         return TINY_MODEL_TYPE
     if model_cfg._target_ != HFModelConfig._target_ or OmegaConf.is_missing(model_cfg, "path"):
