@@ -22,9 +22,8 @@ from prmppo.config.schema import PRMTrainConfig
 from prmppo.models.loading import load_model, load_tokenizer
 from prmppo.models.prm import make_head, new_prm, prm_step_logits
 from prmppo.models.prm_labels import PolicySampler, make_step_labels
-from prmppo.ppo.batch import collate
 from prmppo.rewards.steps import StepBoundaries
-from prmppo.stages.prm import step_bce
+from prmppo.stages.prm import train_batch, step_bce
 from prmppo.tasks.arith import ArithTask
 
 
@@ -37,17 +36,6 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def label_batch(examples, pad_token_id: int) -> tuple:
-    """(input_ids, attention_mask, position_ids, P, targets [b, T], label_mask [b, T] bool): a PRM training
-    batch of labelled examples, collated as the stage collates its batches."""
-    ids, att, pos, response_ids, _, plen = collate([e.prompt_ids for e in examples],
-                                                   [e.response_ids for e in examples], pad_token_id)
-    targets = torch.zeros(response_ids.shape, dtype=torch.float32)  # [b, T]
-    label_mask = torch.zeros(response_ids.shape, dtype=torch.bool)  # [b, T]
-    for row, example in enumerate(examples):
-        targets[row, example.step_end_positions] = torch.tensor(example.labels)
-        label_mask[row, example.step_end_positions] = True
-    return ids, att, pos, plen, targets, label_mask
 
 
 def time_sampling(model, tokenizer, prompts, seed: int) -> tuple[float, int, list]:
@@ -69,7 +57,7 @@ def time_training(model, tokenizer, examples, steps: int) -> tuple[float, int]:
     for _ in range(steps):
         picked = [examples[i] for i in torch.randint(len(examples), (p.batch_rows,), generator=generator).tolist()]
         start = time.perf_counter()
-        ids, att, pos, plen, targets, mask = label_batch(picked, tokenizer.pad_token_id)
+        ids, att, pos, plen, targets, mask = train_batch(picked, tokenizer.pad_token_id, torch.device("cpu"))
         logits = prm_step_logits(peft_model, head, ids, att, pos, plen, mask)
         loss = step_bce(logits[mask], targets[mask], p.negative_weight)
         optimizer.zero_grad()

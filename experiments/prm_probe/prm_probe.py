@@ -31,9 +31,8 @@ from prmppo.config.build import build
 from prmppo.config.store import register_schemas
 from prmppo.models.loading import load_model, load_tokenizer
 from prmppo.models.prm_labels import PolicySampler, make_step_labels
-from prmppo.ppo.batch import collate
 from prmppo.rewards.steps import StepBoundaries
-from prmppo.stages.prm import evaluate_prm, step_bce
+from prmppo.stages.prm import train_batch, evaluate_prm, step_bce
 
 def parse_args() -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -66,17 +65,6 @@ def stage_samples(cfg, task, tokenizer, model, boundaries, rng: random.Random):
     return examples, candidates, rng.getstate()
 
 
-def label_batch(examples, pad_token_id: int) -> tuple:
-    """(input_ids, attention_mask, position_ids, P, targets [b, T], label_mask [b, T] bool) of labelled
-    examples, collated as the stage's training batches are."""
-    ids, att, pos, response_ids, _, plen = collate([e.prompt_ids for e in examples],
-                                                   [e.response_ids for e in examples], pad_token_id)
-    targets = torch.zeros(response_ids.shape, dtype=torch.float32)  # [b, T]
-    label_mask = torch.zeros(response_ids.shape, dtype=torch.bool)  # [b, T]
-    for row, example in enumerate(examples):
-        targets[row, example.step_end_positions] = torch.tensor(example.labels)
-        label_mask[row, example.step_end_positions] = True
-    return ids, att, pos, plen, targets, label_mask
 
 
 def compose_cfg(overrides: list[str]):
@@ -114,7 +102,7 @@ def step_features(model, examples, pad_token_id: int, rows: int) -> tuple[torch.
     """(features [n, L + 2, H] at every labelled step end, labels [n])."""
     feats, labels = [], []
     for start in range(0, len(examples), rows):
-        ids, att, pos, plen, targets, mask = label_batch(examples[start:start + rows], pad_token_id)
+        ids, att, pos, plen, targets, mask = train_batch(examples[start:start + rows], pad_token_id, torch.device("cpu"))
         feats.append(features(model, ids, att, pos, plen, mask)[mask])  # [n_b, L+2, H]
         labels.append(targets[mask])
     return torch.cat(feats), torch.cat(labels)

@@ -12,7 +12,7 @@ from prmppo.validate import ConfigError, validate_config
 from prmppo.models.prm import OracleStepScorer
 from prmppo.models.tiny import build_char_tokenizer
 from prmppo.rewards.steps import StepBoundaries
-from prmppo.stages.prm import (_train_batch, aggregate, best_of_n_eval, ensure_prm, first_error_f1,
+from prmppo.stages.prm import (train_batch, aggregate, best_of_n_eval, ensure_prm, first_error_f1,
                                reference_cache, run, step_bce, step_level_eval)
 from prmppo.models.prm_labels import make_step_labels
 from prmppo.tasks import ArithTask
@@ -188,7 +188,7 @@ def test_cached_reference_logprobs_give_the_log_ratio_heads_own_logits(tok):
     assert [len(row) for row in cache] == [len(e.response_ids) for e in examples]
     head = make_head("log_ratio", 32, tok)
     picked = [3, 1, 0]
-    ids, att, pos, plen, _, mask = _train_batch([examples[i] for i in picked], tok.pad_token_id, torch.device("cpu"))
+    ids, att, pos, plen, _, mask = train_batch([examples[i] for i in picked], tok.pad_token_id, torch.device("cpu"))
     ref = pad_floats([cache[i] for i in picked], mask.shape[1])
     with torch.no_grad():
         cached = prm_step_logits(peft_model, head, ids, att, pos, plen, mask, ref)[mask]

@@ -121,13 +121,13 @@ def reference_cache(peft_model, examples: list[StepExample], pad_token_id: int, 
     cache = []
     for start in range(0, len(examples), rows):
         chunk = examples[start:start + rows]
-        ids, att, pos, plen, _, _ = _train_batch(chunk, pad_token_id, device)
+        ids, att, pos, plen, _, _ = train_batch(chunk, pad_token_id, device)
         logprobs = reference_token_logprobs(peft_model, ids, att, pos, plen, of).float().cpu()  # [b, T]
         cache.extend(row[:len(e.response_ids)].tolist() for row, e in zip(logprobs, chunk))
     return cache
 
 
-def _train_batch(examples: list[StepExample], pad_token_id: int, device) -> tuple:
+def train_batch(examples: list[StepExample], pad_token_id: int, device) -> tuple:
     """(input_ids, attention_mask, position_ids, P, targets [b, T], label_mask [b, T] bool)."""
     ids, att, pos, response_ids, _, plen = collate([e.prompt_ids for e in examples],
                                                    [e.response_ids for e in examples], pad_token_id)
@@ -179,7 +179,7 @@ def train_prm(peft_model, head, examples: list[StepExample], *, steps: int, batc
     for step in progress:
         picked = torch.randint(len(examples), (batch_rows,), generator=generator).tolist()
         mine = picked[ranks.rank * share:(ranks.rank + 1) * share]  # every rank drew the same rows
-        ids, att, pos, plen, targets, label_mask = _train_batch([examples[i] for i in mine], pad_token_id, device)
+        ids, att, pos, plen, targets, label_mask = train_batch([examples[i] for i in mine], pad_token_id, device)
         ref = None if reference is None else pad_floats([reference[i] for i in mine], label_mask.shape[1]).to(device)
         logits = prm_step_logits(peft_model, head, ids, att, pos, plen, label_mask, ref)[label_mask]  # [n] rank's
         terms, weights = step_bce_terms(logits, targets[label_mask], negative_weight)
