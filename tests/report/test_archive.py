@@ -72,6 +72,18 @@ def test_pack_keeps_the_run_records_and_gives_the_same_bytes_for_the_same_files(
         assert {(m.mtime, m.uid, m.gid, m.uname, m.gname, m.mode) for m in tar} == {(0, 0, 0, "", "", 0o644)}
 
 
+def test_pack_keeps_the_per_problem_outcomes_of_each_evaluation_during_ppo(sweep, tmp_path):
+    (sweep / RUNS[0] / "ppo_eval").mkdir()
+    for n in (0, 25):
+        (sweep / RUNS[0] / "ppo_eval" / f"iteration_{n:05d}.json").write_text('{"problems": []}')
+    (sweep / RUNS[0] / "ppo_eval" / "notes.txt").write_text("not an evaluation")
+    kept = [name for name in members([sweep]) if "/ppo_eval/" in name]
+    assert kept == [f"smoke/{RUNS[0]}/ppo_eval/iteration_00000.json", f"smoke/{RUNS[0]}/ppo_eval/iteration_00025.json"]
+    pack([sweep], tmp_path / "a.tar.xz")
+    assert (unpack(tmp_path / "a.tar.xz", tmp_path / "back") / "smoke" / RUNS[0] / "ppo_eval" /
+            "iteration_00025.json").read_text() == '{"problems": []}'
+
+
 def test_pack_refuses_what_it_cannot_keep(sweep, tmp_path):
     out = tmp_path / "big.tar.xz"
     with pytest.raises(ArchiveError, match=r"would be 0\.0 MB, above the 0\.001 MB limit .* the largest files: smoke/"):

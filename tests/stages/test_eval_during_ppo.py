@@ -45,6 +45,17 @@ def test_test_accuracy_is_logged_before_every_k_iterations_and_after_the_last(sm
     assert evals[0]["eval/test_greedy_accuracy"] == expected["greedy_accuracy"]
     assert evals[0]["eval/test_sampled_accuracy"] == expected["sampled_accuracy"]
     assert evals[0]["eval/test_pass@4"] == expected["pass@4"] and all("eval/test_pass@4" in r for r in evals)
+    # each evaluation's per-problem outcomes, in the same order as the test problems, agree with its row
+    for row in evals:
+        saved = json.loads((Path(cfg.run_dir) / "ppo_eval" / f"iteration_{row['eval/ppo_iterations']:05d}.json")
+                           .read_text())
+        outcomes = saved["problems"]
+        assert saved["ppo_iterations"] == row["eval/ppo_iterations"] and saved["k"] == 4
+        assert [o["index"] for o in outcomes] == list(range(cfg.eval.during_ppo_problems))
+        assert sum(o["greedy_correct"] for o in outcomes) / len(outcomes) == row["eval/test_greedy_accuracy"]
+        assert sum(o["correct_of_k"] for o in outcomes) / (4 * len(outcomes)) == row["eval/test_sampled_accuracy"]
+    assert sorted(p.name for p in (Path(cfg.run_dir) / "ppo_eval").iterdir()) == [
+        "iteration_00000.json", "iteration_00002.json", "iteration_00003.json"]
     # iteration rows are unchanged in number and carry the canary's checks
     ppo = [r for r in rows if r["stage"] == "ppo"]
     assert [r["step"] for r in ppo] == [0, 1, 2] and summary["policy_steps"] == 6

@@ -18,7 +18,8 @@ with `stopped` and raises `StopRequested` (exit 3).
 Test accuracy during PPO: before the first iteration, every `eval.every` iterations and after the
 last, greedy and sampled accuracy and pass@k (k = `eval.during_ppo_k`) on the first
 `eval.during_ppo_problems` test problems, logged as rows with `"stage": "ppo_eval"` (x axis
-`eval/ppo_iterations`, the iterations done); canary checks add `canary/` metrics to the iteration's row.
+`eval/ppo_iterations`, the iterations done), with each problem's outcomes in
+`ppo_eval/iteration_<n>.json`; canary checks add `canary/` metrics to the iteration's row.
 """
 
 from __future__ import annotations
@@ -112,16 +113,24 @@ def _canary(cfg: DictConfig, task, tokenizer, policy, path: Path) -> Canary:
                   path, greedy_accuracy)
 
 
-def _test_eval(cfg: DictConfig, task, tokenizer, policy):
+def _test_eval(cfg: DictConfig, task, tokenizer, policy, out_dir: Path | None):
     """`evaluate(iterations_done) -> eval/ metrics` of the policy on the first `eval.during_ppo_problems`
     test problems (the same ones each time): greedy accuracy, and sampled accuracy and pass@k over
-    `k = eval.during_ppo_k` samples at `eval.temperature`."""
+    `k = eval.during_ppo_k` samples at `eval.temperature`. With `out_dir` (the main rank's), each
+    evaluation's per-problem outcomes also go to `out_dir/iteration_<n>.json` (`ppo_eval_path`), the rows a
+    prompt x seed bootstrap at that iteration resamples; a resumed run that evaluates an iteration again
+    rewrites its file."""
     problems = task.problems("test")[: cfg.eval.during_ppo_problems]
 
     def evaluate(iterations_done: int) -> dict:
         result = score(policy.model, tokenizer, task, problems, k=cfg.eval.during_ppo_k,
                        temperature=cfg.eval.temperature, max_new_tokens=cfg.eval.max_new_tokens,
-                       batch_rows=cfg.eval.batch_rows, seed=cfg.seed, show_progress=cfg.logger.console)
+                       batch_rows=cfg.eval.batch_rows, seed=cfg.seed, show_progress=cfg.logger.console,
+                       per_problem=out_dir is not None)
+        if out_dir is not None:
+            write_json_atomic(ppo_eval_path(out_dir, iterations_done),
+                              {"ppo_iterations": iterations_done, "k": cfg.eval.during_ppo_k,
+                               "temperature": cfg.eval.temperature, "problems": result.pop("problems")})
         metrics = {"eval/ppo_iterations": iterations_done, "eval/test_greedy_accuracy": result["greedy_accuracy"],
                    "eval/n_problems": len(problems)}
         if cfg.eval.during_ppo_k > 0:
@@ -131,6 +140,11 @@ def _test_eval(cfg: DictConfig, task, tokenizer, policy):
         return metrics
 
     return evaluate
+
+
+def ppo_eval_path(out_dir: Path, iterations_done: int) -> Path:
+    """Where the test evaluation after `iterations_done` PPO iterations keeps its per-problem outcomes."""
+    return out_dir / f"iteration_{iterations_done:05d}.json"
 
 
 def _summary(trainer, ppo, history: list[dict], alarms: list[dict], pinned: list[str], start: float) -> dict:
@@ -264,7 +278,8 @@ def _start(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict, ba
     if ranks.is_main:
         write_json_atomic(run_dir / "banner.json", record)
     log.info("start-up (s): %s", record["startup_s"])
-    return first, Monitors(tripwire, built.canary, _test_eval(cfg, task, built.tokenizer, built.policy),
+    return first, Monitors(tripwire, built.canary, _test_eval(cfg, task, built.tokenizer, built.policy,
+                                                              run_dir / "ppo_eval" if ranks.is_main else None),
                            cfg.eval.every, trainer.ppo.iterations)
 
 

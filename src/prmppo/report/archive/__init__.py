@@ -6,7 +6,8 @@
 `pack` keeps, for every run under the given directories (a run is a directory with
 `.hydra/config.yaml`), what a report and a reanalysis read: `RUN_FILES` (the resolved config and the
 overrides typed, metrics.jsonl, eval.json with each test problem's outcomes, stage_result.json,
-run_info.json, banner.json, canary.jsonl); and, for every sweep directory on the way, `SWEEP_FILES`
+run_info.json, banner.json, canary.jsonl) and what `RUN_GLOBS` match (each during-PPO evaluation's
+per-problem outcomes); and, for every sweep directory on the way, `SWEEP_FILES`
 (Hydra's multirun.yaml, which holds the sweep's command, and sweep_result.json). No weights, no
 checkpoints, no logs. Members are named `<given dir's name>/<path below it>`, so the archive does not
 depend on where the runs lay; they are sorted, with mtime 0, uid/gid 0, no owner names and mode 0644,
@@ -36,6 +37,7 @@ from prmppo.report.runs import ReportError
 SUFFIX = ".tar.xz"
 RUN_FILES = (".hydra/config.yaml", ".hydra/overrides.yaml", ".hydra/hydra.yaml", "metrics.jsonl", "eval.json",
              "stage_result.json", "run_info.json", "banner.json", "canary.jsonl")
+RUN_GLOBS = ("ppo_eval/iteration_*.json",)
 SWEEP_FILES = ("multirun.yaml", "sweep_result.json")
 MAX_BYTES = 25_000_000  # 25 MB, compressed
 
@@ -69,7 +71,7 @@ def members(dirs: list[str | Path]) -> dict[str, Path]:
         if not runs:
             raise ArchiveError(f"no runs under {given}: a run directory holds .hydra/config.yaml")
         for run in runs:
-            wanted = [run / name for name in RUN_FILES]
+            wanted = [run / name for name in RUN_FILES] + sorted(f for g in RUN_GLOBS for f in run.glob(g))
             walk = run.parent
             while walk == given or given in walk.parents:  # every directory from the run's parent up to `given`
                 wanted += [walk / name for name in SWEEP_FILES]
