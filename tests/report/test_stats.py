@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from prmppo.report.stats import (curve_area, holm, outcome_grid, paired_difference, paired_t_power,
+from prmppo.report.stats import (curve_area, holm, outcome_grid, paired_difference, paired_t_p, paired_t_power,
                                  prompt_seed_bootstrap, prompt_seed_means, seeds_needed, tost)
 
 
@@ -68,6 +68,10 @@ def test_outcome_grid_lines_up_eval_json_problems_by_id():
                                                                                       row("b", True, 3)]})
     assert seeds == [0, 1] and ids == ["a", "b"] and grid.tolist() == [[0.0, 1.0], [1.0, 0.0]]
     assert outcome_grid({0: [row("a", False, 2), row("b", True, 3)]}, "sampled")[2].tolist() == [[0.5, 0.75]]
+    # pass: any of the k samples right (pass@k from k samples), 0 right of 4 -> 0
+    assert outcome_grid({0: [row("a", True, 0), row("b", False, 1)]}, "pass")[2].tolist() == [[0.0, 1.0]]
+    with pytest.raises(ValueError, match="outcome must be one of 'greedy', 'sampled', 'pass', got 'pass@8'"):
+        outcome_grid({0: [row("a", True, 0)]}, "pass@8")
     with pytest.raises(ValueError, match="seed 1 evaluated other problems than seed 0"):
         outcome_grid({0: [row("a", True, 1)], 1: [row("c", True, 1)]})
     # from the fixture study's real eval.json files: 2 seeds x 8 test problems, ORM against learned PRM
@@ -101,6 +105,18 @@ def test_tost_by_hand_with_closed_form_t_distributions():
     assert math.isnan(tost([0.0], 0.05).p) and not tost([0.0], 0.05).equivalent
     with pytest.raises(ValueError, match="margin must be > 0"):
         tost(diffs, margin=0.0)
+
+
+def test_paired_t_p_by_hand_and_against_scipy():
+    # differences 0.1, 0.2, 0.3: mean 0.2, sd 0.1, se 0.1 / sqrt(3) -> t = 2 sqrt(3) = 3.4641 on 2 df; the t
+    # distribution with 2 df has P(T > t) = (1 - t / sqrt(2 + t^2)) / 2, so p = 1 - 3.4641 / sqrt(14) = 0.074180
+    assert paired_t_p([0.1, 0.2, 0.3]) == pytest.approx(1 - 2 * math.sqrt(3) / math.sqrt(14), abs=1e-9)
+    assert paired_t_p([0.1, 0.2, 0.3]) == pytest.approx(0.074180, abs=1e-6)
+    diffs = [0.05, -0.02, 0.11, 0.03, 0.0, 0.07]
+    assert paired_t_p(diffs) == pytest.approx(stats.ttest_1samp(diffs, 0.0).pvalue)
+    assert paired_t_p([-x for x in diffs]) == pytest.approx(paired_t_p(diffs))  # two-sided
+    assert math.isnan(paired_t_p([0.1])) and math.isnan(paired_t_p([]))
+    assert paired_t_p([0.0, 0.0]) == 1.0 and paired_t_p([0.1, 0.1]) == 0.0  # no spread
 
 
 def test_holm_by_hand():

@@ -10,6 +10,7 @@ For a pre-registered study (every formula is in its function's docstring):
   - `prompt_seed_bootstrap`: a - b over a [seeds, prompts] grid of per-prompt outcomes (`outcome_grid`
     makes one from eval.json), resampling seeds and prompts independently (both arms see the same
     seeds and the same test prompts);
+  - `paired_t_p`: the two-sided paired t test's p value of a list of paired differences;
   - `tost`: equivalence within +-margin by two one-sided t tests on paired differences;
   - `holm`: Holm-Bonferroni adjusted p values of a family of tests;
   - `curve_area`: the area under an accuracy-vs-iteration curve, normalised by its span;
@@ -129,13 +130,17 @@ def prompt_seed_means(diff: np.ndarray, n_resamples: int, rng: np.random.Generat
     return np.take_along_axis(row_means, rows, axis=1).mean(axis=1)  # [R]
 
 
+OUTCOMES = ("greedy", "sampled", "pass")  # what `outcome_grid` reads from a per-problem row
+
+
 def outcome_grid(problems_by_seed: dict[int, list[dict]], outcome: str = "greedy") -> tuple[list[int], list[str],
                                                                                          np.ndarray]:
     """`(seeds, problem ids, grid [seeds, prompts])` from each seed's per-problem outcomes (eval.json's
     `<policy>.problems`), seeds and problems in sorted order: `greedy` is the greedy verdict as 0/1, `sampled`
-    the fraction of the k samples that were right. Every seed must have evaluated the same problems."""
-    if outcome not in ("greedy", "sampled"):
-        raise ValueError(f"outcome must be 'greedy' or 'sampled', got {outcome!r}")
+    the fraction of the k samples that were right, `pass` whether any of the k was (pass@k with n = k samples,
+    as `evaluation.pass_at_k(k, c, k)`: 1 when c > 0). Every seed must have evaluated the same problems."""
+    if outcome not in OUTCOMES:
+        raise ValueError(f"outcome must be one of {', '.join(map(repr, OUTCOMES))}, got {outcome!r}")
     seeds = sorted(problems_by_seed)
     by_id = {seed: {row["id"]: row for row in problems_by_seed[seed]} for seed in seeds}
     ids = sorted(by_id[seeds[0]]) if seeds else []
@@ -145,7 +150,9 @@ def outcome_grid(problems_by_seed: dict[int, list[dict]], outcome: str = "greedy
                              "needs the same test problems in every run")
 
     def value(row: dict) -> float:
-        return float(row["greedy_correct"]) if outcome == "greedy" else row["correct_of_k"] / row["k"]
+        if outcome == "greedy":
+            return float(row["greedy_correct"])
+        return row["correct_of_k"] / row["k"] if outcome == "sampled" else float(row["correct_of_k"] > 0)
 
     return seeds, ids, np.array([[value(by_id[seed][i]) for i in ids] for seed in seeds], dtype=float).reshape(
         len(seeds), len(ids))
@@ -163,6 +170,20 @@ def prompt_seed_bootstrap(a, b, level: float = LEVEL, n_resamples: int = 10_000,
     means = prompt_seed_means(diff, n_resamples, np.random.default_rng(rng_seed))
     low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
     return Interval(float(diff.mean()), float(low), float(high), a.shape[0], "prompt x seed bootstrap")
+
+
+def paired_t_p(differences: list[float]) -> float:
+    """The two-sided p value of the paired t test of H0 mean difference = 0: with mean m, se = sd / sqrt(n)
+    (ddof=1) and df = n - 1, p = 2 P(T_df >= |m| / se). Fewer than 2 differences: nan; all differences equal:
+    1 when they are 0, else 0 (no spread, so any non-zero mean is certain)."""
+    data = np.asarray(differences, dtype=float)
+    n = len(data)
+    if n < 2:
+        return math.nan
+    mean, se = float(data.mean()), float(data.std(ddof=1) / math.sqrt(n))
+    if se == 0:
+        return float(mean == 0)
+    return float(2 * stats.t.sf(abs(mean) / se, n - 1))
 
 
 class Equivalence(NamedTuple):
