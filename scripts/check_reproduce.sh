@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Every study's results regenerate from its archived runs: runs each <root>/*/reproduce.sh in a temporary
-# copy of its directory (its committed markdown other than README.md and its figures removed from the copy
-# first) and fails when the script fails, or when the markdown it writes differs, byte for byte, from the
-# committed files, lacks one of them or adds one. Figures that differ are listed but do not fail the check: PNG
-# bytes depend on matplotlib's and FreeType's versions, the markdown does not.
+# copy of its directory (its committed markdown other than the inputs README.md and PREREGISTRATION.md, and
+# its figures, removed from the copy first) and fails when the script fails, or when the markdown it writes
+# differs, byte for byte, from the committed files, lacks one of them or adds one. Figures that differ are
+# listed but do not fail the check: PNG bytes depend on matplotlib's and FreeType's versions, the markdown
+# does not.
 #
 #   bash scripts/check_reproduce.sh                          # root: experiments/ of this repository
 #   bash scripts/check_reproduce.sh tests/report/fixtures    # another root
@@ -29,7 +30,7 @@ for script in "${scripts[@]}"; do
   copy="$scratch/$name"
   cp -R "$study" "$copy"
   # what reproduce.sh must write is removed first, so that a file it no longer writes is not passed unseen
-  find "$copy" -maxdepth 1 \( -name '*.md' ! -name README.md -o -name '*.png' \) -delete
+  find "$copy" -maxdepth 1 \( -name '*.md' ! -name README.md ! -name PREREGISTRATION.md -o -name '*.png' \) -delete
   bad=0
   if ! bash "$copy/reproduce.sh" > "$scratch/$name.log" 2>&1; then
     echo "check_reproduce: $name: reproduce.sh failed:"
@@ -39,7 +40,7 @@ for script in "${scripts[@]}"; do
   fi
   for committed in "$study"/*.md; do
     file=$(basename "$committed")
-    [ "$file" = README.md ] && continue
+    case "$file" in README.md | PREREGISTRATION.md) continue ;; esac
     if [ ! -f "$copy/$file" ]; then
       echo "check_reproduce: $name: reproduce.sh no longer writes $file"
       bad=1

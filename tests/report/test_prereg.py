@@ -307,3 +307,23 @@ def test_a_run_contradicting_its_place_or_its_metrics_is_refused(tree, tmp_path)
     shutil.copytree(tree / "final" / "ppo" / "prm" / "s2", tree / "final" / "ppo" / "prm" / "s1")
     with pytest.raises(ReportError, match=r"prm/s1/\.hydra/config\.yaml: seed 2, but its directory says s1"):
         read_study(tree, load_spec(spec))
+
+
+def test_the_study_reproduce_script_passes_check_reproduce(tree, tmp_path):
+    # the study directory as it will be committed: reproduce.sh.in as reproduce.sh, the pre-registration and the
+    # README beside the archive; check_reproduce must keep PREREGISTRATION.md (an input, not an output)
+    study_dir = tmp_path / "root" / "prm_vs_orm_flaw"
+    study_dir.mkdir(parents=True)
+    source = STUDY_FILE.parent
+    for name in ("README.md", "PREREGISTRATION.md"):
+        shutil.copy(source / name, study_dir / name)
+    shutil.copy(source / "reproduce.sh.in", study_dir / "reproduce.sh")
+    archive(tree, study_dir / "runs.tar.xz")
+    study_spec(study_dir / "study.yaml")
+    (study_dir / "deviations.txt").write_text("## Deviations from the pre-registration\n\nNone.\n")
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(REPO / "src")}
+    subprocess.run(["bash", str(study_dir / "reproduce.sh")], cwd=tmp_path, env=env, check=True, capture_output=True)
+    assert (study_dir / "RESULTS.md").read_text().startswith("# prm_vs_orm_flaw")
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "check_reproduce.sh"), str(tmp_path / "root")],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0 and "check_reproduce: prm_vs_orm_flaw: ok" in proc.stdout, proc.stdout + proc.stderr
