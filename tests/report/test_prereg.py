@@ -137,7 +137,7 @@ def study_spec(path: Path, **changes) -> Path:
     node["seeds"] = "0-3"
     node["secondary"] = [dict(c, seeds="0-1") for c in node["secondary"] if c["arm"] in ("oracle", "prm_gae")]
     node["compute_matched"]["seeds"] = "0-1"
-    node["prm_quality"] = [{"id": "prm", "label": "learned PRM", "seeds": "0-3"}]
+    node["prm_quality"] = [{"id": "default", "label": "learned PRM", "seeds": "0-3"}]
     node.update(changes)
     path.write_text(yaml.safe_dump(node, sort_keys=False))
     return path
@@ -156,7 +156,7 @@ def tree(tmp_path, configs) -> Path:
             its = (*ITERATIONS, 125, 150) if arm == "orm_matched" else ITERATIONS
             write_ppo_run(top / "ppo" / arm / f"s{seed}", config, arm, seed, its)
     for seed in PRIMARY_SEEDS:
-        write_prm_run(top / "prm" / "prm" / f"s{seed}", seed)
+        write_prm_run(top / "prm" / "default" / f"s{seed}", seed)
         (top / "sft" / f"s{seed}" / ".hydra").mkdir(parents=True)
         (top / "sft" / f"s{seed}" / ".hydra" / "config.yaml").write_text("stage: sft\n")
     return tmp_path / "runs"
@@ -225,17 +225,25 @@ def test_missing_and_failed_runs_are_listed_and_their_seeds_drop_out(tree, tmp_p
     result.update(status="failed", error={"message": "CUDA out of memory\nmore", "type": "RuntimeError"})
     _write_json(top / "ppo" / "orm" / "s2" / "stage_result.json", result)
     (top / "ppo" / "orm" / "s1" / "ppo_eval" / "iteration_00050.json").unlink()
-    shutil.rmtree(top / "prm" / "prm" / "s0")
+    shutil.rmtree(top / "prm" / "default" / "s0")
+    metrics = top / "ppo" / "prm" / "s1" / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    for row in rows:  # the pass@8 of the last evaluation not logged
+        if row["stage"] == "ppo_eval" and row["eval/ppo_iterations"] == 100:
+            del row[f"eval/test_pass@{K}"]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = write_results(archive(tree, tmp_path / "runs.tar.xz"), study_spec(tmp_path / "study.yaml"),
                          tmp_path / "out").read_text()
     missing = text[text.index("## Missing runs"):]
     assert "| `ppo/orm/s1` | no per-problem outcomes (ppo_eval/) after 50 iterations |" in missing
     assert "| `ppo/orm/s2` | status failed: CUDA out of memory |" in missing
-    assert "| `ppo/prm/s3` | no run |" in missing and "| `prm/prm/s0` | no run |" in missing
+    assert "| `ppo/prm/s3` | no run |" in missing and "| `prm/default/s0` | no run |" in missing
+    assert "| `ppo/prm/s1` | no eval/test_pass@8 in the ppo_eval rows after 100 iterations |" in missing
     assert "not named by the study file (not analysed): `ppo/oracle/s7`." in missing
     study = read_study(tree, load_spec(tmp_path / "study.yaml"))
     results = {r.endpoint.id: r for r in endpoints.primary(study)}
     assert results["P1"].seeds == [0, 1] and results["P2"].bootstrap.n == 1  # seed 1 has no outcomes at 50
+    assert results["P6"].seeds == [0] and results["P6"].verdict == "n/a"  # seed 1 has no pass@8 after 100
     assert "| P2 | greedy accuracy, iteration 50 |" in text and "(n=1) |" in text
     assert "| 2 | missing | missing |" in text and "| 3 | missing |" in text  # the per-seed appendix
     assert "| `orm` | baseline | ORM |" in text and "| 0-1, 3 | 2 |" in text  # seeds read, seeds missing
@@ -293,6 +301,10 @@ def test_a_bad_study_file_is_refused_naming_the_key(tmp_path, tree):
     assert prereg_main([str(tree), "--spec", str(tmp_path / "broken.yaml"), "--out", str(tmp_path / "o")]) == 2
 
 
+def read_study_results(tree: Path, spec: Path) -> list[Result]:
+    return endpoints.primary(read_study(tree, load_spec(spec)))
+
+
 def test_a_run_contradicting_its_place_or_its_metrics_is_refused(tree, tmp_path):
     spec = study_spec(tmp_path / "study.yaml")
     file = tree / "final" / "ppo" / "prm" / "s1" / "ppo_eval" / "iteration_00025.json"
@@ -303,6 +315,12 @@ def test_a_run_contradicting_its_place_or_its_metrics_is_refused(tree, tmp_path)
     with pytest.raises(ReportError, match=r"runs\.tar\.xz:final/ppo/prm/s1/ppo_eval/iteration_00025\.json: greedy "
                                           r"over its problems is 0\.\d+, the ppo_eval row after 25 iterations logged"):
         write_results(runs, spec, tmp_path / "out")
+    data["problems"][0]["greedy_correct"] = not data["problems"][0]["greedy_correct"]  # agrees again
+    for row in data["problems"]:  # 4 samples a problem, where the study's pass@8 needs 8
+        row["k"] = 4
+    file.write_text(json.dumps(data))
+    with pytest.raises(ReportError, match=r"pass@8 of prm / orm: the per-problem outcomes hold 4 samples a problem"):
+        read_study_results(tree, spec)
     shutil.rmtree(tree / "final" / "ppo" / "prm" / "s1")
     shutil.copytree(tree / "final" / "ppo" / "prm" / "s2", tree / "final" / "ppo" / "prm" / "s1")
     with pytest.raises(ReportError, match=r"prm/s1/\.hydra/config\.yaml: seed 2, but its directory says s1"):

@@ -61,6 +61,11 @@ def _bootstrap(study: Study, arm: str, at, against: str, against_at, metric: str
     if not both:
         return None
     outcome = "pass" if metric.startswith("pass@") else metric
+    if outcome == "pass":
+        other_k = sorted({row["k"] for rows in (*a.values(), *b.values()) if rows for row in rows} - {int(metric[5:])})
+        if other_k:
+            raise ReportError(f"{metric} of {arm} / {against}: the per-problem outcomes hold {other_k[0]} samples a "
+                              f"problem, so they give pass@{other_k[0]}, not {metric}")
     try:
         _, ids_a, grid_a = outcome_grid({s: a[s] for s in both}, outcome)
         _, ids_b, grid_b = outcome_grid({s: b[s] for s in both}, outcome)

@@ -116,6 +116,11 @@ def _pooled(rows: list[dict]) -> dict[str, tuple[int, list[float]]]:
             for g, rs in groups.items()}
 
 
+def _rows(record, policy: str) -> list[dict]:
+    """The per-problem outcomes of the final evaluation of `policy` (sft, ppo) in the run's eval.json."""
+    return ((record.final or {}).get(policy) or {}).get("problems") or []
+
+
 def _group_order(name: str):
     key, _, value = name.partition("=")
     return (name != "all", key, int(value) if value.lstrip("-").isdigit() else math.inf, value)
@@ -125,17 +130,14 @@ def difficulty_section(study: Study) -> list[str]:
     """EXPLORATORY: accuracy per difficulty of the SFT policy and of each arm's final policy (eval.json)."""
     spec = study.spec
     policies = []  # (label, seeds, pooled)
-    sft_runs = {s: r for s, r in study.ppo.get(spec.baseline, {}).items() if r.final}
-    if sft_runs:
-        policies.append(("SFT", sft_runs, _pooled([p for r in sft_runs.values() for p in r.final["sft"]["problems"]])))
-    for arm in spec.arms():
-        runs = {s: r for s, r in study.ppo.get(arm, {}).items() if r.final}
+    for label, arm, policy in (("SFT", spec.baseline, "sft"), *((f"`{a}`", a, "ppo") for a in spec.arms())):
+        runs = {s: r for s, r in study.ppo.get(arm, {}).items() if _rows(r, policy)}
         if runs:
-            policies.append((f"`{arm}`", runs, _pooled([p for r in runs.values() for p in r.final["ppo"]["problems"]])))
+            policies.append((label, runs, _pooled([p for r in runs.values() for p in _rows(r, policy)])))
     if not policies:
         return ["## Accuracy per difficulty (EXPLORATORY)", "", "No run has an eval.json."]
     groups = sorted({g for _, _, pooled in policies for g in pooled}, key=_group_order)
-    ks = sorted({p["k"] for _, runs, _ in policies for r in runs.values() for p in r.final["ppo"]["problems"]})
+    ks = sorted({p["k"] for _, runs, _ in policies for r in runs.values() for p in _rows(r, "ppo") if "k" in p})
     names = ("greedy", "sampled", f"pass@{ks[0]}" if len(ks) == 1 else "pass@k")
     lines = ["## Accuracy per difficulty (EXPLORATORY)", "",
              "From each run's eval.json (the final evaluation after PPO, and of the SFT policy it started from, "

@@ -94,7 +94,7 @@ class Study:
         return {seed: v for seed, v in found.items() if v is not None and not math.isnan(v)}
 
 
-def _outcomes(path: Path, name: str) -> dict[int, list[dict]]:
+def _outcomes(path: Path) -> dict[int, list[dict]]:
     out = {}
     for file in sorted((path / ITERATIONS_DIR).glob("iteration_*.json")):
         data = read_json(file)
@@ -137,22 +137,24 @@ def _ppo_run(top: Path, arm: str, seed: int, missing: list[Missing]) -> PolicyRu
         return None
     final = read_json(path / "eval.json") if (path / "eval.json").is_file() else None
     info = read_json(path / "run_info.json") if (path / "run_info.json").is_file() else {}
-    record = PolicyRun(arm, seed, name, run, _outcomes(path, name), final, info.get("code"))
+    record = PolicyRun(arm, seed, name, run, _outcomes(path), final, info.get("code"))
     _check_agreement(record, path / ITERATIONS_DIR)
     return record
 
 
-def _needed(spec: Spec, arm: str) -> tuple[set[int], set[int], bool]:
-    """(iterations whose `ppo_eval` row an endpoint of `arm` reads, iterations whose per-problem outcomes a
-    bootstrap reads, whether the compute-matched comparison reads its last evaluation)."""
-    rows, files = set(), set()
+def _needed(spec: Spec, arm: str) -> tuple[dict[str, set[int]], set[int], bool]:
+    """({metric: iterations whose `ppo_eval` row an endpoint of `arm` reads}, iterations whose per-problem
+    outcomes a bootstrap reads, whether the compute-matched comparison reads its last evaluation)."""
+    rows: dict[str, set[int]] = {}
+    files = set()
     if arm in (spec.baseline, spec.primary) or any(arm in (c.arm, c.against) for c in spec.secondary):
         for e in spec.endpoints:
-            rows |= set(e.area) if e.area else {e.iteration}
+            rows.setdefault(e.metric, set()).update(e.area if e.area else {e.iteration})
             files |= set() if e.area else {e.iteration}
     m = spec.compute_matched
     if m and arm == m.arm:
-        rows.add(m.iteration)
+        for metric in m.metrics:
+            rows.setdefault(metric, set()).add(m.iteration)
         files.add(m.iteration)
     return rows, files, bool(m and arm == m.against)
 
@@ -163,8 +165,10 @@ def _lacking(record: PolicyRun, spec: Spec) -> list[str]:
     logged = set(record.curve("greedy"))
     files |= {max(logged)} if last and logged else set()
     lacks = []
-    if absent := sorted(rows - logged):
-        lacks.append(f"no ppo_eval row after {', '.join(map(str, absent))} iterations")
+    for metric, iterations in sorted(rows.items()):
+        if absent := sorted(iterations - set(record.curve(metric))):
+            lacks.append(f"no {metric_key(metric)} in the ppo_eval rows after {', '.join(map(str, absent))} "
+                         "iterations")
     if last and not logged:
         lacks.append("no ppo_eval row at all")
     if absent := sorted(files - set(record.outcomes)):
