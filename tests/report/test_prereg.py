@@ -91,8 +91,10 @@ def write_ppo_run(run: Path, config, arm: str, seed: int, iterations=ITERATIONS)
     """A PPO pipeline run as the study's sweep writes it."""
     (run / ".hydra").mkdir(parents=True)
     OmegaConf.save(config, run / ".hydra" / "config.yaml")
-    OmegaConf.save(OmegaConf.create(["experiment=prm_vs_orm_flaw", *OVERRIDES[arm], f"seed={seed}"]),
-                   run / ".hydra" / "overrides.yaml")
+    # as final.py types them: the shared artifacts and the run dir are paths of the machine that ran them
+    typed = ["experiment=prm_vs_orm_flaw", "logger.console=false", f"artifacts_dir={run.parents[3] / 'artifacts'}",
+             f"hydra.run.dir={run}", *OVERRIDES[arm], f"seed={seed}"]
+    OmegaConf.save(OmegaConf.create(typed), run / ".hydra" / "overrides.yaml")
     rows = []
     for it in iterations:
         problems = outcomes(arm, seed, it, "ppo_eval")
@@ -113,7 +115,8 @@ def write_ppo_run(run: Path, config, arm: str, seed: int, iterations=ITERATIONS)
     _write_json(run / "eval.json", final)
     _write_json(run / "stage_result.json", {"status": "ok", "stage": "pipeline", "arm": str(config.arm.name),
                                             "seed": seed, "summary": {}})
-    _write_json(run / "run_info.json", {"code": "0123abc", "device": "cpu"})
+    _write_json(run / "run_info.json", {"code": {"commit": "0123abc" * 6, "dirty": False}, "device": "cuda",
+                                        "versions": {"torch": "2.11.0", "transformers": "5.24.0", "peft": "0.21.2"}})
 
 
 def write_prm_run(run: Path, seed: int) -> None:

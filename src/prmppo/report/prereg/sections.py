@@ -9,6 +9,7 @@ from collections import defaultdict
 from prmppo.report.markdown import table
 from prmppo.report.prereg.endpoints import Result
 from prmppo.report.prereg.study import Study, problem_value
+from prmppo.report.runs import NOT_GROUPING
 from prmppo.report.stats import mean_ci
 
 P_FLOOR = 1e-4  # p values below it are shown as "<0.0001"
@@ -85,23 +86,25 @@ def per_seed_section(results: list[Result], seeds) -> list[str]:
 
 
 def runs_section(study: Study, roles: dict[str, list[str]]) -> list[str]:
-    """Each arm: what it was (its reward kind, the overrides common to its runs), the seeds read and missing."""
+    """Each arm: what it was (its reward kind, the overrides common to its runs but seeds and locations, which
+    differ between machines), the seeds read and missing; and the code the runs ran."""
     body = []
     for arm in study.spec.arms():
         runs = study.ppo.get(arm, {})
         kinds = sorted({r.run.reward_kind for r in runs.values()})
         common = set.intersection(*(set(r.run.overrides.items()) for r in runs.values())) if runs else set()
-        typed = " ".join(f"`{k}={v}`" for k, v in sorted(common) if k != "seed" and not k.startswith("hydra."))
+        typed = " ".join(f"`{k}={v}`" for k, v in sorted(common)
+                         if k not in NOT_GROUPING and not k.startswith("hydra."))
         wanted = study.spec.seeds_of(arm)
         body.append([f"`{arm}`", ", ".join(roles[arm]), ", ".join(kinds) or "n/a", typed or "-", seed_text(runs),
                      seed_text(set(wanted) - set(runs))])
     codes = defaultdict(int)
     for runs in study.ppo.values():
         for r in runs.values():
-            codes[r.code or "not recorded"] += 1
-    code_text = ", ".join(f"`{code}` ({n} runs)" for code, n in sorted(codes.items()))
+            codes[r.code] += 1
     return ["## Runs", "", *table(["arm", "role", "reward kind", "overrides typed (all its runs)", "seeds read",
-                                   "seeds missing"], body), "", f"Code commit of the PPO runs: {code_text or 'none'}."]
+                                   "seeds missing"], body), "", "The code the PPO runs ran (run_info.json):", "",
+            *(f"- {code}: {n} run{'' if n == 1 else 's'}" for code, n in sorted(codes.items()))]
 
 
 def _pooled(rows: list[dict]) -> dict[str, tuple[int, list[float]]]:

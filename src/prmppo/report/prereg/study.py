@@ -23,6 +23,7 @@ from pathlib import Path
 from prmppo.report.prereg.spec import LAST, Spec, SpecError
 from prmppo.report.runs import ReportError, Run, read_json, read_run
 from prmppo.report.stats import curve_area
+from prmppo.report.sweeps import CODE_PACKAGES
 
 X_KEY = "eval/ppo_iterations"
 EVAL_STAGE = "ppo_eval"
@@ -51,7 +52,7 @@ class PolicyRun:
     run: Run
     outcomes: dict[int, list[dict]]  # iterations done -> per-problem outcomes of the test evaluation then
     final: dict | None  # eval.json: {"sft": ..., "ppo": ..., "delta": ...}, None when absent
-    code: str | None  # the code commit (run_info.json)
+    code: str  # what code and where it ran (run_info.json), as `code_text` words it
 
     def curve(self, metric: str) -> dict[int, float]:
         """`{iterations done: accuracy}` of the test evaluation during PPO."""
@@ -92,6 +93,17 @@ class Study:
         runs = self.ppo.get(arm, {})
         found = {seed: runs[seed].value(metric, at) for seed in seeds if seed in runs}
         return {seed: v for seed, v in found.items() if v is not None and not math.isnan(v)}
+
+
+def code_text(info: dict) -> str:
+    """The code a run ran and where, from its run_info.json: git commit (`+ uncommitted changes` when dirty),
+    the versions of `CODE_PACKAGES`, the device."""
+    code = info.get("code")
+    where = f"`{code['commit'][:12]}`" + (" + uncommitted changes" if code.get("dirty") else "") \
+        if isinstance(code, dict) and "commit" in code else "commit not recorded"
+    versions = info.get("versions") or {}
+    packages = ", ".join(f"{name} {versions[name]}" for name in CODE_PACKAGES if versions.get(name))
+    return "; ".join(part for part in (where, packages, f"device {info['device']}" if "device" in info else "") if part)
 
 
 def _outcomes(path: Path) -> dict[int, list[dict]]:
@@ -137,7 +149,7 @@ def _ppo_run(top: Path, arm: str, seed: int, missing: list[Missing]) -> PolicyRu
         return None
     final = read_json(path / "eval.json") if (path / "eval.json").is_file() else None
     info = read_json(path / "run_info.json") if (path / "run_info.json").is_file() else {}
-    record = PolicyRun(arm, seed, name, run, _outcomes(path), final, info.get("code"))
+    record = PolicyRun(arm, seed, name, run, _outcomes(path), final, code_text(info))
     _check_agreement(record, path / ITERATIONS_DIR)
     return record
 
