@@ -107,7 +107,8 @@ def write_ppo_run(run: Path, config, arm: str, seed: int, iterations=ITERATIONS)
     for step in range(iterations[-1]):
         row = {"stage": "ppo", "step": step, "reward/total_mean": step / 100}
         if arm != "orm" and not arm.startswith("orm_"):
-            row.update({"prm/score_mean": 0.6 + step / 400 + seed / 100, "hack/true_step_accuracy": 0.5 + step / 300})
+            row.update({"prm/score_mean": 0.6 + step / 400 + seed / 100, "hack/true_step_accuracy": 0.5 + step / 300,
+                        "prm/flipped_fraction": 0.1 if arm == "oracle" else 0.0})
         rows.append(row)
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     final = {name: {**_accuracies(p), "problems": p} for name, p in
@@ -196,6 +197,10 @@ def test_primary_endpoints_equal_the_hand_worked_values(tree, tmp_path):
     assert [results[e].verdict for e in ("P1", "P2", "P3", "P7")] == ["superior"] * 4
     text = write_results(tree, tmp_path / "study.yaml", tmp_path / "out").read_text()
     assert "| P1 | greedy accuracy, iteration 25 | 0.325 | 0.450 | +0.125 | [+0.079, +0.171] |" in text
+    # the PRM arms during PPO: the score averaged over iterations 0-99 is 0.6 + 99 / 800 + seed / 100, so over seeds
+    # 0 and 1 0.72875; the oracle flipped 10% of its step scores, so its verdicts are right on 90% of the steps
+    assert "| `oracle` | oracle PRM | 0-1 | 0.729 ± 0.064 | 0.665 ± 0.000 | 0.100 ± 0.000 | 0.900 ± 0.000 |" in text
+    assert "| `prm` | learned PRM | 0-3 | 0.739 ± 0.021 | 0.665 ± 0.000 | 0.000 ± 0.000 | - |" in text
 
 
 def _result(p: float, diffs: list[float]) -> Result:

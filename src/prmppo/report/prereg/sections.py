@@ -164,9 +164,11 @@ PRM_COLUMNS = (("step accuracy", "step_accuracy"), ("on right steps", "step_accu
 
 
 def prm_quality_section(study: Study) -> list[str]:
-    """Each PRM's evaluation by its stage (held-out solutions, best-of-N), mean ± 95% t half-width over seeds."""
+    """Each PRM's evaluation by its stage (held-out solutions, best-of-N), mean ± 95% t half-width over seeds;
+    then the PRM arms' monitors during PPO."""
+    during = during_ppo_section(study)
     if not study.spec.prm_quality:
-        return []
+        return ["## PRM quality", "", *during] if during else []
     body = []
     for q in study.spec.prm_quality:
         evals = study.prm.get(q.id, {})
@@ -182,7 +184,35 @@ def prm_quality_section(study: Study) -> list[str]:
             "and best-of-N reranking of N samples of the SFT policy per test problem by the PRM's step scores "
             "(aggregated by min, product, mean or the last step) against majority vote over the N answers. "
             "Mean ± 95% t half-width over seeds.", "",
-            *table(["PRM", "what", "seeds", "N", *(name for name, _ in PRM_COLUMNS)], body)]
+            *table(["PRM", "what", "seeds", "N", *(name for name, _ in PRM_COLUMNS)], body), *([""] + during if during
+                                                                                            else [])]
+
+
+DURING_PPO = (("PRM mean step score", "prm/score_mean"), ("true step accuracy", "hack/true_step_accuracy"),
+              ("label flips", "prm/flipped_fraction"))
+
+
+def during_ppo_section(study: Study) -> list[str]:
+    """Per arm that scores steps: its monitors averaged over all PPO iterations of a run, then mean ± 95% t
+    half-width over seeds; for an oracle arm its step verdicts' accuracy against the checker, 1 - flips."""
+    body = []
+    for arm in study.spec.arms():
+        runs = study.ppo.get(arm, {})
+        means = {metric: [sum(c.values()) / len(c) for _, r in sorted(runs.items())
+                          if (c := r.run.series("ppo", metric))] for _, metric in DURING_PPO}
+        if not means["prm/score_mean"]:
+            continue
+        oracle = {r.run.reward_kind for r in runs.values()} == {"oracle PRM"} and means["prm/flipped_fraction"]
+        cells = [str(mean_ci(v)) if v else "n/a" for v in means.values()]
+        flips = str(mean_ci([1 - f for f in means["prm/flipped_fraction"]])) if oracle else "-"
+        body.append([f"`{arm}`", ", ".join(sorted({r.run.reward_kind for r in runs.values()})), seed_text(runs),
+                     *cells, flips])
+    if not body:
+        return []
+    return ["The PRM arms during PPO (`ppo` rows): each monitor averaged over a run's iterations, then mean ± 95% t "
+            "half-width over seeds. Label flips: the fraction of step scores a noisy oracle flipped "
+            "(`reward.label_noise`); its step accuracy against the checker is 1 - that.", "",
+            *table(["arm", "reward kind", "seeds", *(name for name, _ in DURING_PPO), "oracle step accuracy"], body)]
 
 
 def missing_section(study: Study) -> list[str]:
