@@ -11,7 +11,6 @@ per-problem outcomes whose accuracies are chosen here, so every endpoint is know
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
@@ -19,7 +18,6 @@ import random
 import shutil
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import pytest

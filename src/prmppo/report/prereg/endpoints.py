@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from prmppo.report.prereg.spec import LAST, Endpoint, Spec
+from prmppo.report.prereg.spec import LAST, Endpoint
 from prmppo.report.prereg.study import Study
 from prmppo.report.runs import ReportError
 from prmppo.report.stats import (Equivalence, Interval, holm, outcome_grid, paired_difference, paired_t_p,
@@ -49,8 +49,8 @@ class Result:
         return sum(values) / len(values) if values else math.nan
 
 
-def _bootstrap(study: Study, arm: str, at, against: str, against_at, metric: str, seeds: list[int],
-               spec: Spec) -> Interval | None:
+def _bootstrap(study: Study, endpoint: Endpoint, arm: str, at, against: str, against_at,
+               seeds: list[int]) -> Interval | None:
     """The prompt x seed bootstrap over `seeds` with per-problem outcomes in both arms, None without any."""
     if isinstance(at, tuple):
         return None
@@ -60,9 +60,9 @@ def _bootstrap(study: Study, arm: str, at, against: str, against_at, metric: str
     both = [s for s in seeds if a[s] is not None and b[s] is not None]
     if not both:
         return None
-    outcome = "pass" if metric.startswith("pass@") else metric
-    if outcome == "pass":
-        other_k = sorted({row["k"] for rows in (*a.values(), *b.values()) if rows for row in rows} - {int(metric[5:])})
+    outcome, metric = endpoint.outcome, endpoint.metric
+    if endpoint.k is not None:
+        other_k = sorted({row["k"] for rows in (*a.values(), *b.values()) if rows for row in rows} - {endpoint.k})
         if other_k:
             raise ReportError(f"{metric} of {arm} / {against}: the per-problem outcomes hold {other_k[0]} samples a "
                               f"problem, so they give pass@{other_k[0]}, not {metric}")
@@ -74,8 +74,8 @@ def _bootstrap(study: Study, arm: str, at, against: str, against_at, metric: str
     if ids_a != ids_b:
         raise ReportError(f"{arm} and {against} were evaluated on other test problems; the prompt x seed "
                           "bootstrap pairs them problem by problem")
-    return prompt_seed_bootstrap(grid_a, grid_b, n_resamples=spec.bootstrap_resamples,
-                                 rng_seed=spec.bootstrap_seed)
+    return prompt_seed_bootstrap(grid_a, grid_b, n_resamples=study.spec.bootstrap_resamples,
+                                 rng_seed=study.spec.bootstrap_seed)
 
 
 def compare(study: Study, endpoint: Endpoint, arm: str, against: str, seeds, at=None, against_at=None) -> Result:
@@ -92,7 +92,7 @@ def compare(study: Study, endpoint: Endpoint, arm: str, against: str, seeds, at=
     diffs = [a[s] - b[s] for s in common]
     t = paired_difference(a, b) if common else Interval(math.nan, math.nan, math.nan, 0, "t")
     return Result(endpoint, arm, against, per_seed, t,
-                  _bootstrap(study, arm, at, against, against_at, endpoint.metric, common, study.spec),
+                  _bootstrap(study, endpoint, arm, at, against, against_at, common),
                   paired_t_p(diffs), tost(diffs, study.spec.margin, study.spec.alpha))
 
 
