@@ -112,8 +112,8 @@ class UpdateSteps:
             if micro is None or not update_mask[micro].any():  # no rows here, or only rows of dropped groups
                 self.ranks.idle_pass(lambda: self._idle_micro(train, minibatch, tokens, seqs, train_policy, sums))
                 continue
-            # rows of similar length, no all-padding column
-            cut = trim_columns(attention[micro], update_mask[micro], train.prompt_length)
+            # rows of similar length, no all-padding column (compiled layers: a width of `width_multiple`s)
+            cut = trim_columns(attention[micro], update_mask[micro], train.prompt_length, self.width_multiple)
             part = train.rows(micro.to(device, non_blocking=True)).trimmed(cut)
             loss, stats = self._micro_loss(part, tokens, seqs, train_policy)
             loss.backward()
@@ -130,7 +130,7 @@ class UpdateSteps:
         row of the minibatch with the loss times 0, so that FSDP's gathers and gradient reductions meet
         on every rank while this rank adds nothing to the gradients; its statistics' keys join `sums` at 0
         (the sum over the ranks needs the same keys on each)."""
-        part = train.rows(minibatch.rows[:1].to(train.input_ids.device)).trimmed()
+        part = train.rows(minibatch.rows[:1].to(train.input_ids.device)).trimmed(multiple=self.width_multiple)
         loss, stats = self._micro_loss(part, tokens, seqs, train_policy)
         (loss * 0.0).backward()
         for key in stats:
