@@ -1,8 +1,9 @@
 """Step 5 of a PPO iteration: `ppo_epochs` over the plan's minibatches of micro-batches (`UpdateSteps`, a
 part of `PPOTrainer`, ppo/loop.py).
 
-Each micro-batch (rows of similar length, cut to its longest row; logprobs from the hidden states
-in chunks, models/token_scores.py) adds its clipped policy loss, clipped value loss, entropy bonus
+Each micro-batch (rows of similar length, cut to its longest row, or to the next multiple of 8
+columns for compiled layers: ppo/batch.py; logprobs from the hidden states in chunks,
+models/token_scores.py) adds its clipped policy loss, clipped value loss, entropy bonus
 and KL loss to the minibatch's gradients; then one policy and one value optimizer step per
 minibatch (only the critic during value warmup), each gradient clipped and checked for finiteness
 on its own (one joint clip would let the critic's gradient set the policy's step size). Under N
