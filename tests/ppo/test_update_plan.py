@@ -5,6 +5,8 @@ H200), which the ratio tripwire (`ppo.max_first_ratio_dev`) would read as an off
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -198,25 +200,32 @@ def test_uncompiled_micro_batches_keep_their_exact_cuts(monkeypatch):
     assert widths == [w for width in exact for w in (width, width)] + updates
 
 
-def test_an_idle_turn_runs_its_one_row_at_a_compiled_width(monkeypatch):
-    # under N ranks a rank without a micro-batch for a turn runs one row of the minibatch (`_idle_micro`), through
-    # the same compiled layers: its width is a multiple of 8 too
+def test_idle_turns_run_two_rows_at_a_compiled_width(monkeypatch):
+    # under N ranks a rank without a micro-batch for a turn runs a forward of its own (and in the update a backward,
+    # its loss times 0), through the same compiled layers: 2 rows (one row would be a graph of its own, dynamo
+    # specialises a size of 1), at a width of 8s like every other micro-batch. One process skips such turns:
+    # here its `idle_pass` runs them, as a rank of several does
     monkeypatch.setattr(LoraPolicy, "compile_decoder_layers", lambda self: None)
     trainer = _trainer(_ppo("ppo.compile=true"), torch.float32)
     batch = _rollout(MIXED, trainer.width_multiple)
     plan = trainer.plan(batch, 0)
     train, _ = trainer.assemble(batch, OutcomeReward()(batch)[0], plan)
-    widths = []
+    trainer.ranks = SimpleNamespace(idle_pass=lambda run: run(), sum_rows=trainer.ranks.sum_rows)
+    shapes = []
     score = trainer.policy.score
 
     def spy(input_ids, *args, **kwargs):
-        widths.append(input_ids.shape[1])
+        shapes.append(tuple(input_ids.shape))
         return score(input_ids, *args, **kwargs)
 
     trainer.policy.score = spy
+    first = plan.epochs[0][0].micro_batches[0]
+    trainer._forward_no_grad(batch, [None, first], batch.response_mask)  # an idle turn, then one of its own
     for minibatch in plan.epochs[0]:
         trainer._idle_micro(train, minibatch, 1.0, 1.0, True, {})
         trainer.policy_optimizer.zero_grad(set_to_none=True)
-    assert widths and all(width % COMPILED_WIDTH_MULTIPLE == 0 for width in widths), widths
+    idle = [shapes[0], *shapes[2:]]
+    assert len(idle) == 1 + len(plan.epochs[0])
+    assert all(rows == 2 and width % COMPILED_WIDTH_MULTIPLE == 0 for rows, width in idle), idle
     exact = [int(train.attention_mask[minibatch.rows[0]].sum()) for minibatch in plan.epochs[0]]  # P + T of the row
     assert any(width % COMPILED_WIDTH_MULTIPLE for width in exact)  # what the rows alone would have been

@@ -16,7 +16,8 @@ import torch
 
 from prmppo.ppo import advantages as advantages_rule
 from prmppo.ppo import maths
-from prmppo.ppo.batch import RolloutBatch, TrainBatch, UpdatePlan, length_buckets, plan_update, trim_columns
+from prmppo.ppo.batch import (IDLE_PASS_ROWS, RolloutBatch, TrainBatch, UpdatePlan, length_buckets, plan_update,
+                              trim_columns)
 from prmppo.rewards.kl import kl_estimate
 
 
@@ -57,7 +58,7 @@ class AssembleSteps:
         self.policy.train(False)
         for rows in micro_batches:
             if rows is None:  # N ranks: the others run a micro-batch now, and FSDP's gathers need this rank too
-                self.ranks.idle_pass(lambda: self._score_rows(batch, torch.zeros(1, dtype=torch.long),
+                self.ranks.idle_pass(lambda: self._score_rows(batch, torch.zeros(IDLE_PASS_ROWS, dtype=torch.long),
                                                               batch.response_mask))
                 continue
             scored, ref, micro_mask, plen = self._score_rows(batch, rows, response_mask)

@@ -32,6 +32,10 @@ from prmppo.tasks.base import Problem
 # guard `hidden_states.size()[1] % 8 == 0`), so a micro-batch of another width would compile a second
 # graph mid-run (12-16 s inside the second iteration on an H200 at 0.5B).
 COMPILED_WIDTH_MULTIPLE = 8
+# Rows of the forward a rank runs in a turn without rows of its own (its outputs discarded, its loss times 0),
+# so that FSDP's collectives meet: dynamo specialises a size of 1, and a one-row pass would compile graphs of
+# its own for compiled layers, mid-run, the first time a rank sits a turn out.
+IDLE_PASS_ROWS = 2
 
 
 def round_up(width: int, multiple: int) -> int:

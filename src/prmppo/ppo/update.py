@@ -22,7 +22,7 @@ import torch
 
 from prmppo.logger.console import progress
 from prmppo.ppo import maths
-from prmppo.ppo.batch import Minibatch, TrainBatch, UpdatePlan, trim_columns
+from prmppo.ppo.batch import IDLE_PASS_ROWS, Minibatch, TrainBatch, UpdatePlan, trim_columns
 from prmppo.rewards.kl import kl_estimate
 
 log = logging.getLogger("prmppo")
@@ -127,11 +127,12 @@ class UpdateSteps:
 
     def _idle_micro(self, train: TrainBatch, minibatch: Minibatch, tokens: float, seqs: float, train_policy: bool,
                     sums: dict) -> None:
-        """A turn in which another rank runs a micro-batch and this one has none: forward and backward one
-        row of the minibatch with the loss times 0, so that FSDP's gathers and gradient reductions meet
-        on every rank while this rank adds nothing to the gradients; its statistics' keys join `sums` at 0
-        (the sum over the ranks needs the same keys on each)."""
-        part = train.rows(minibatch.rows[:1].to(train.input_ids.device)).trimmed(multiple=self.width_multiple)
+        """A turn in which another rank runs a micro-batch and this one has none: forward and backward the
+        minibatch's first row (`IDLE_PASS_ROWS` times over) with the loss times 0, so that FSDP's gathers and
+        gradient reductions meet on every rank while this rank adds nothing to the gradients; its statistics'
+        keys join `sums` at 0 (the sum over the ranks needs the same keys on each)."""
+        rows = minibatch.rows[:1].repeat(IDLE_PASS_ROWS).to(train.input_ids.device)  # [IDLE_PASS_ROWS]
+        part = train.rows(rows).trimmed(multiple=self.width_multiple)
         loss, stats = self._micro_loss(part, tokens, seqs, train_policy)
         (loss * 0.0).backward()
         for key in stats:
