@@ -65,7 +65,7 @@ class RandomLengthEngine:
                              0.0, 0.0)
 
 
-def test_compiled_layers_compile_nothing_after_the_first_iteration(monkeypatch, tmp_path):
+def test_compiled_layers_run_one_graph_per_pass_kind_and_none_after_the_first_iteration(monkeypatch, tmp_path):
     torch._dynamo.reset()
     task = ArithTask(seed=0, train_size=40, test_size=10)
     tokenizer = build_char_tokenizer(task.alphabet())
