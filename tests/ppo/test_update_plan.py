@@ -5,6 +5,8 @@ H200), which the ratio tripwire (`ppo.max_first_ratio_dev`) would read as an off
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -13,7 +15,7 @@ from transformers import MistralConfig, MistralForCausalLM
 from conftest import compose_config
 from prmppo.distributed.ranks import OneProcess
 from prmppo.models.policy import LoraPolicy
-from prmppo.ppo.batch import RolloutBatch, collate
+from prmppo.ppo.batch import COMPILED_WIDTH_MULTIPLE, RolloutBatch, collate
 from prmppo.ppo.loop import PPOTrainer
 from prmppo.rewards.orm import OutcomeReward
 
@@ -39,14 +41,15 @@ def _trainer(ppo, dtype: torch.dtype) -> PPOTrainer:
                       ppo=ppo, logger=None, ranks=OneProcess(torch.device("cpu")), seed=0)
 
 
-def _rollout(outcome: list[float]) -> RolloutBatch:
-    """16 responses of 1-14 tokens after prompts of 2-7 tokens (groups of 4 share a prompt)."""
+def _rollout(outcome: list[float], width_multiple: int = 1) -> RolloutBatch:
+    """16 responses of 1-14 tokens after prompts of 2-7 tokens (groups of 4 share a prompt), collated to a
+    width of `width_multiple`s."""
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(4, 60, (int(n),), generator=g).tolist() for n in torch.randint(2, 8, (4,), generator=g)]
     prompts = [p for p in prompts for _ in range(4)]
     lengths = torch.randint(1, 15, (16,), generator=g)
     responses = [torch.randint(4, 60, (int(n),), generator=g).tolist() for n in lengths]
-    ids, att, pos, resp, mask, plen = collate(prompts, responses, pad_token_id=0)
+    ids, att, pos, resp, mask, plen = collate(prompts, responses, pad_token_id=0, width_multiple=width_multiple)
     return RolloutBatch([None] * 16, [""] * 16, ["stop"] * 16, ids, att, pos, resp, mask, torch.zeros(mask.shape),
                         torch.tensor(outcome), plen)
 
@@ -130,3 +133,99 @@ def test_compiled_layers_score_the_old_logprobs_in_the_updates_grad_mode(monkeyp
     assert not train.old_logprobs.requires_grad and not train.ref_logprobs.requires_grad
     metrics = trainer.update(train, 0, plan)
     assert metrics["ppo/first_minibatch_ratio_dev"] == 0.0
+
+
+# ----------------------------------------------------------------------------- widths of compiled layers
+
+def _widths_and_results(monkeypatch, compiled: bool):
+    """(the sequence width of every policy and reference forward, in order; the plan; the TrainBatch; the
+    update's metrics; the gradients of its first policy step) for one iteration on `_rollout`'s rows of many
+    lengths, collated as `PPOTrainer.sample` collates them. The layers are not compiled (CPU inductor
+    would take minutes): the widths are what `ppo.compile` decides, tests/ppo/test_compiled_graphs.py
+    counts the graphs."""
+    monkeypatch.setattr(LoraPolicy, "compile_decoder_layers", lambda self: None)
+    trainer = _trainer(_ppo(f"ppo.compile={str(compiled).lower()}", "ppo.advantage_estimator=gae"), torch.float32)
+    widths: list[int] = []
+    for name in ("score", "reference_score"):
+        def spy(input_ids, *args, _run=getattr(trainer.policy, name), **kwargs):
+            widths.append(input_ids.shape[1])
+            return _run(input_ids, *args, **kwargs)
+
+        setattr(trainer.policy, name, spy)
+    grads = []
+    step = trainer.policy_optimizer.step
+
+    def step_spy(*args, **kwargs):
+        grads.append([p.grad.clone() for g in trainer.policy_optimizer.param_groups for p in g["params"]])
+        return step(*args, **kwargs)
+
+    trainer.policy_optimizer.step = step_spy
+    batch = _rollout(MIXED, trainer.width_multiple)
+    plan = trainer.plan(batch, 0)
+    train, _ = trainer.assemble(batch, OutcomeReward()(batch)[0], plan)
+    metrics = trainer.update(train, 0, plan)
+    return widths, plan, batch, train, metrics, grads[0]
+
+
+def test_compiled_layers_see_only_widths_of_multiples_of_8_and_the_same_numbers(monkeypatch):
+    widths, plan, batch, train, metrics, grads = _widths_and_results(monkeypatch, compiled=True)
+    full = batch.input_ids.shape[1]
+    assert full % COMPILED_WIDTH_MULTIPLE == 0  # the rows are collated to such a width
+    assert all(width % COMPILED_WIDTH_MULTIPLE == 0 for width in widths), widths
+    assert len(set(widths)) > 1 and min(widths) < full  # still cut to the rows: not every micro-batch is whole
+    # the padding columns are masked: the numbers are the exact cuts' (allclose: other shapes, other rounding)
+    eager_widths, _, eager_batch, eager, eager_metrics, eager_grads = _widths_and_results(monkeypatch, compiled=False)
+    assert any(width % COMPILED_WIDTH_MULTIPLE for width in eager_widths)  # the exact cuts are not all multiples
+    mask = train.response_mask
+    for name in ("old_logprobs", "ref_logprobs", "old_values", "advantages", "returns"):
+        torch.testing.assert_close(getattr(train, name) * mask, getattr(eager, name) * mask, rtol=1e-5, atol=1e-6,
+                                   msg=name)
+    for key in ("ppo/policy_loss", "value/loss", "ppo/entropy"):
+        assert metrics[key] == pytest.approx(eager_metrics[key], rel=1e-5)
+    assert metrics["ppo/first_minibatch_ratio_dev"] == 0.0  # the no-grad pass and the update cut alike
+    for a, b in zip(grads, eager_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_uncompiled_micro_batches_keep_their_exact_cuts(monkeypatch):
+    widths, plan, batch, *_ = _widths_and_results(monkeypatch, compiled=False)
+    response = batch.response_mask.sum(-1).long()  # [B]
+    prompt = batch.attention_mask.sum(-1).long() - response  # [B]
+    # each micro-batch runs from its longest prompt to its longest response (one column at least), in the plan's
+    # order: the no-grad pass (policy, then reference) over the first epoch, then the update's epochs
+    exact = [int(prompt[rows].max() + response[rows].max().clamp(min=1))
+             for rows in plan.first_epoch_micro_batches()]
+    updates = [int(prompt[rows].max() + response[rows].max().clamp(min=1))
+               for epoch in plan.epochs for minibatch in epoch for rows in minibatch.micro_batches]
+    assert widths == [w for width in exact for w in (width, width)] + updates
+
+
+def test_idle_turns_run_two_rows_at_a_compiled_width(monkeypatch):
+    # under N ranks a rank without a micro-batch for a turn runs a forward of its own (and in the update a backward,
+    # its loss times 0), through the same compiled layers: 2 rows (one row would be a graph of its own, dynamo
+    # specialises a size of 1), at a width of 8s like every other micro-batch. One process skips such turns:
+    # here its `idle_pass` runs them, as a rank of several does
+    monkeypatch.setattr(LoraPolicy, "compile_decoder_layers", lambda self: None)
+    trainer = _trainer(_ppo("ppo.compile=true"), torch.float32)
+    batch = _rollout(MIXED, trainer.width_multiple)
+    plan = trainer.plan(batch, 0)
+    train, _ = trainer.assemble(batch, OutcomeReward()(batch)[0], plan)
+    trainer.ranks = SimpleNamespace(idle_pass=lambda run: run(), sum_rows=trainer.ranks.sum_rows)
+    shapes = []
+    score = trainer.policy.score
+
+    def spy(input_ids, *args, **kwargs):
+        shapes.append(tuple(input_ids.shape))
+        return score(input_ids, *args, **kwargs)
+
+    trainer.policy.score = spy
+    first = plan.epochs[0][0].micro_batches[0]
+    trainer._forward_no_grad(batch, [None, first], batch.response_mask)  # an idle turn, then one of its own
+    for minibatch in plan.epochs[0]:
+        trainer._idle_micro(train, minibatch, 1.0, 1.0, True, {})
+        trainer.policy_optimizer.zero_grad(set_to_none=True)
+    idle = [shapes[0], *shapes[2:]]
+    assert len(idle) == 1 + len(plan.epochs[0])
+    assert all(rows == 2 and width % COMPILED_WIDTH_MULTIPLE == 0 for rows, width in idle), idle
+    exact = [int(train.attention_mask[minibatch.rows[0]].sum()) for minibatch in plan.epochs[0]]  # P + T of the row
+    assert any(width % COMPILED_WIDTH_MULTIPLE for width in exact)  # what the rows alone would have been

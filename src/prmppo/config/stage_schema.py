@@ -48,7 +48,9 @@ class PPOConfig:
     # forwards pay the compilation; meant for CUDA. The old logprobs then run through the update's own
     # (grad-mode) graph, so the first minibatch's ratio stays 1 (ppo/first_minibatch_ratio_dev). One graph
     # per pass kind (policy, reference, PRM scoring), compiled in the start-up gate or the first iteration;
-    # a micro-batch of one row compiles its own once. Works under topology=fsdp too.
+    # every sequence width is then padded to a multiple of 8 (inductor guards each graph on it; masked
+    # columns, no loss changes); a micro-batch of one row (a row alone over ppo.micro_batch_tokens, or
+    # ppo.micro_batch_rows=1) compiles its own once. Works under topology=fsdp too.
     # `python benchmarks/compile_trace.py <overrides>` lists the graphs a run compiles
     compile: bool = False
     ppo_epochs: int = 1

@@ -175,7 +175,10 @@ class _PolicyBase:
         """`torch.compile` each decoder layer of the policy in place (`nn.Module.compile`: parameter
         names, state dicts and the saved checkpoints are unchanged), with dynamic shapes from the first
         call: micro-batch rows and widths vary, and one graph per grad mode serves them all, so a
-        micro-batch runs the same kernels in the old-logprob pass as in the update."""
+        micro-batch runs the same kernels in the old-logprob pass as in the update. Two specialisations
+        remain: inductor's alignment check guards the graph on the width being a multiple of 8 (the
+        trainer feeds only such widths: `ppo/batch.py COMPILED_WIDTH_MULTIPLE`), and a micro-batch of one
+        row compiles a graph of its own (dynamo specialises sizes 0 and 1)."""
         layers = getattr(_causal_lm(self.model).get_decoder(), "layers", None)
         if not isinstance(layers, nn.ModuleList) or not len(layers):
             raise ValueError(f"ppo.compile: {type(_causal_lm(self.model)).__name__}'s decoder has no `layers` list "

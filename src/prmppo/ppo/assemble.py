@@ -16,7 +16,8 @@ import torch
 
 from prmppo.ppo import advantages as advantages_rule
 from prmppo.ppo import maths
-from prmppo.ppo.batch import RolloutBatch, TrainBatch, UpdatePlan, length_buckets, plan_update, trim_columns
+from prmppo.ppo.batch import (IDLE_PASS_ROWS, RolloutBatch, TrainBatch, UpdatePlan, length_buckets, plan_update,
+                              trim_columns)
 from prmppo.rewards.kl import kl_estimate
 
 
@@ -38,17 +39,18 @@ class AssembleSteps:
         ppo = self.ppo
         generator = torch.Generator().manual_seed(self.seed * 7919 + iteration)
         return plan_update(attention_mask, update_mask, ppo.ppo_epochs, ppo.minibatch_rows, ppo.micro_batch_rows,
-                           ppo.micro_batch_tokens, generator)
+                           ppo.micro_batch_tokens, generator, self.width_multiple)
 
     @torch.no_grad()
     def _forward_no_grad(self, batch: RolloutBatch, micro_batches: list, response_mask: torch.Tensor):
         """(old logprobs, reference logprobs, values, value after each row's last token), all [B, T] / [B],
         for the rows of `micro_batches` (this rank's row index tensors, from `ranks.deal`; other rows stay 0
         here and come from the other ranks: disjoint rows, so a sum over the ranks gathers them exactly).
-        Each micro-batch is cut to the columns `response_mask` [B, T] uses (`trim_columns`) and scored at
-        its tokens, exactly as the update cuts and scores a micro-batch of a TrainBatch with that mask. The
-        reference logprobs run in the same micro-batches (they only enter the KL terms, so any grouping
-        would do). A None entry is a turn this rank has no rows for (`ranks.idle_pass`)."""
+        Each micro-batch is cut to the columns `response_mask` [B, T] uses (`trim_columns`, widened to a
+        multiple of `width_multiple` for compiled layers) and scored at its tokens, exactly as the update cuts
+        and scores a micro-batch of a TrainBatch with that mask. The reference logprobs run in the same
+        micro-batches (they only enter the KL terms, so any grouping would do). A None entry is a turn this
+        rank has no rows for (`ranks.idle_pass`)."""
         dev = self.device
         old_lp = torch.zeros(batch.response_ids.shape, device=dev)  # [B, T]
         ref_lp, values = torch.zeros_like(old_lp), torch.zeros_like(old_lp)  # [B, T]
@@ -56,7 +58,7 @@ class AssembleSteps:
         self.policy.train(False)
         for rows in micro_batches:
             if rows is None:  # N ranks: the others run a micro-batch now, and FSDP's gathers need this rank too
-                self.ranks.idle_pass(lambda: self._score_rows(batch, torch.zeros(1, dtype=torch.long),
+                self.ranks.idle_pass(lambda: self._score_rows(batch, torch.zeros(IDLE_PASS_ROWS, dtype=torch.long),
                                                               batch.response_mask))
                 continue
             scored, ref, micro_mask, plen = self._score_rows(batch, rows, response_mask)
@@ -75,7 +77,8 @@ class AssembleSteps:
         """Policy scores, reference logprobs [b, T'], the micro-batch's mask [b, T'] and its prompt length P'
         for `rows` [b] of `batch`, cut to the columns `response_mask` uses."""
         dev, ppo = self.device, self.ppo
-        columns, width, plen = trim_columns(batch.attention_mask[rows], response_mask[rows], batch.prompt_length)
+        columns, width, plen = trim_columns(batch.attention_mask[rows], response_mask[rows], batch.prompt_length,
+                                            self.width_multiple)
         ids, att, pos = (t[rows][:, columns].to(dev) for t in (batch.input_ids, batch.attention_mask,
                                                               batch.position_ids))
         response_ids, micro_mask = (t[rows, :width].to(dev) for t in (batch.response_ids, response_mask))
@@ -93,7 +96,7 @@ class AssembleSteps:
     def _length_bucketed(self, batch: RolloutBatch, rows: torch.Tensor) -> list[torch.Tensor]:
         """`rows` [r] of `batch` in length buckets (row indices into `batch`)."""
         buckets = length_buckets(batch.attention_mask[rows], batch.response_mask[rows], self.ppo.micro_batch_rows,
-                                 self.ppo.micro_batch_tokens)
+                                 self.ppo.micro_batch_tokens, self.width_multiple)
         return [rows[bucket] for bucket in buckets]
 
     def _old_and_reference(self, batch: RolloutBatch, plan: UpdatePlan, keep: torch.Tensor):

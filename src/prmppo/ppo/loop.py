@@ -53,7 +53,7 @@ from prmppo.errors import PrmppoError
 from prmppo.guards.tripwires import SkipBudget
 from prmppo.ppo import maths
 from prmppo.ppo.assemble import AssembleSteps
-from prmppo.ppo.batch import RolloutBatch, collate, pad_floats
+from prmppo.ppo.batch import COMPILED_WIDTH_MULTIPLE, RolloutBatch, collate, pad_floats
 from prmppo.ppo.optim import MasterWeights, adamw
 from prmppo.ppo.sync import WeightSync
 from prmppo.ppo.update import UpdateSteps
@@ -137,6 +137,9 @@ class PPOTrainer(AssembleSteps, UpdateSteps):
             policy.enable_gradient_checkpointing()
         if ppo.compile:
             policy.compile_decoder_layers()
+        # every sequence width the compiled layers see is a multiple of this (ppo/batch.py: a width of the
+        # other kind would compile another graph mid-run); uncompiled, the micro-batches keep their exact cuts
+        self.width_multiple = COMPILED_WIDTH_MULTIPLE if ppo.compile else 1
         self.scheduler = maths.make_scheduler(self.policy_optimizer, self.shape.policy_steps,
                                               min(ppo.warmup_steps, max(self.shape.policy_steps - 1, 0)),
                                               ppo.min_lr_ratio)
@@ -166,7 +169,7 @@ class PPOTrainer(AssembleSteps, UpdateSteps):
         problems = [p for p in picked for _ in range(n)]
         rows_prompt = [ids for ids in prompt_ids for _ in range(n)]
         input_ids, attention, positions, response_ids, response_mask, plen = collate(
-            rows_prompt, result.token_ids, tok.pad_token_id)
+            rows_prompt, result.token_ids, tok.pad_token_id, self.width_multiple)
         texts = [tok.decode(ids, skip_special_tokens=True) for ids in result.token_ids]
         outcome = torch.tensor([float(self.task.verify(p, t)) for p, t in zip(problems, texts)])
         return RolloutBatch(problems, texts, list(result.finish_reasons), input_ids, attention, positions,

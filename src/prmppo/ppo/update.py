@@ -1,8 +1,9 @@
 """Step 5 of a PPO iteration: `ppo_epochs` over the plan's minibatches of micro-batches (`UpdateSteps`, a
 part of `PPOTrainer`, ppo/loop.py).
 
-Each micro-batch (rows of similar length, cut to its longest row; logprobs from the hidden states
-in chunks, models/token_scores.py) adds its clipped policy loss, clipped value loss, entropy bonus
+Each micro-batch (rows of similar length, cut to its longest row, or to the next multiple of 8
+columns for compiled layers: ppo/batch.py; logprobs from the hidden states in chunks,
+models/token_scores.py) adds its clipped policy loss, clipped value loss, entropy bonus
 and KL loss to the minibatch's gradients; then one policy and one value optimizer step per
 minibatch (only the critic during value warmup), each gradient clipped and checked for finiteness
 on its own (one joint clip would let the critic's gradient set the policy's step size). Under N
@@ -21,7 +22,7 @@ import torch
 
 from prmppo.logger.console import progress
 from prmppo.ppo import maths
-from prmppo.ppo.batch import Minibatch, TrainBatch, UpdatePlan, trim_columns
+from prmppo.ppo.batch import IDLE_PASS_ROWS, Minibatch, TrainBatch, UpdatePlan, trim_columns
 from prmppo.rewards.kl import kl_estimate
 
 log = logging.getLogger("prmppo")
@@ -112,8 +113,8 @@ class UpdateSteps:
             if micro is None or not update_mask[micro].any():  # no rows here, or only rows of dropped groups
                 self.ranks.idle_pass(lambda: self._idle_micro(train, minibatch, tokens, seqs, train_policy, sums))
                 continue
-            # rows of similar length, no all-padding column
-            cut = trim_columns(attention[micro], update_mask[micro], train.prompt_length)
+            # rows of similar length, no all-padding column (compiled layers: a width of `width_multiple`s)
+            cut = trim_columns(attention[micro], update_mask[micro], train.prompt_length, self.width_multiple)
             part = train.rows(micro.to(device, non_blocking=True)).trimmed(cut)
             loss, stats = self._micro_loss(part, tokens, seqs, train_policy)
             loss.backward()
@@ -126,11 +127,12 @@ class UpdateSteps:
 
     def _idle_micro(self, train: TrainBatch, minibatch: Minibatch, tokens: float, seqs: float, train_policy: bool,
                     sums: dict) -> None:
-        """A turn in which another rank runs a micro-batch and this one has none: forward and backward one
-        row of the minibatch with the loss times 0, so that FSDP's gathers and gradient reductions meet
-        on every rank while this rank adds nothing to the gradients; its statistics' keys join `sums` at 0
-        (the sum over the ranks needs the same keys on each)."""
-        part = train.rows(minibatch.rows[:1].to(train.input_ids.device)).trimmed()
+        """A turn in which another rank runs a micro-batch and this one has none: forward and backward the
+        minibatch's first row (`IDLE_PASS_ROWS` times over) with the loss times 0, so that FSDP's gathers and
+        gradient reductions meet on every rank while this rank adds nothing to the gradients; its statistics'
+        keys join `sums` at 0 (the sum over the ranks needs the same keys on each)."""
+        rows = minibatch.rows[:1].repeat(IDLE_PASS_ROWS).to(train.input_ids.device)  # [IDLE_PASS_ROWS]
+        part = train.rows(rows).trimmed(multiple=self.width_multiple)
         loss, stats = self._micro_loss(part, tokens, seqs, train_policy)
         (loss * 0.0).backward()
         for key in stats:
