@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
 import torch
 
-from prmppo.models.loading import ModelDirError, check_model_dir, load_model, load_tokenizer
+from prmppo.models.loading import (MODEL_REFERENCE, HFDirSource, ModelDirError, check_model_dir, load_model,
+                                   load_tokenizer, resolve_model_dir, write_model_reference)
 from prmppo.models.tiny import TinyModelSource, build_char_tokenizer
 from prmppo.tasks import ArithTask
 
@@ -85,3 +87,59 @@ def test_corrupt_config_json_names_the_file(tiny_dir, tmp_path):
     (broken / "config.json").write_text('{"model_type": "mistral",')
     with pytest.raises(ModelDirError, match="config.json is not valid JSON"):
         check_model_dir(broken)
+
+
+def _given_copy(tiny_dir, tmp_path):
+    """A model directory of the test's own, free to change (`tiny_dir` is shared by the module)."""
+    return shutil.copytree(tiny_dir, tmp_path / "given")
+
+
+def test_a_reference_loads_the_directory_it_stands_for_and_holds_none_of_its_files(tiny_dir, tmp_path):
+    given, ref = _given_copy(tiny_dir, tmp_path), tmp_path / "ref"
+    ref.mkdir()
+    assert write_model_reference(given, ref) == given.resolve()
+    assert [p.name for p in ref.iterdir()] == [MODEL_REFERENCE]  # no weights, no config, no tokenizer copied
+    assert resolve_model_dir(ref) == check_model_dir(ref).path == given.resolve()
+    assert resolve_model_dir(given) == given  # a plain model directory stands for itself
+    ids = torch.tensor([load_tokenizer(ref)("3+4-1\n")["input_ids"]])
+    assert load_tokenizer(ref).get_vocab() == load_tokenizer(given).get_vocab()
+    assert torch.equal(load_model(ref)(ids).logits, load_model(given)(ids).logits)
+    source = HFDirSource(str(ref))  # model=hf model.path=<a reference>: the launch gates read the source's config
+    assert source.architecture()[0]["model_type"] == "mistral" and source.materialize(None, tmp_path) == given.resolve()
+    again = tmp_path / "ref2"  # a reference to a reference names the directory with the weights
+    again.mkdir()
+    assert write_model_reference(ref, again) == given.resolve()
+    assert json.loads((again / MODEL_REFERENCE).read_text())["path"] == str(given.resolve())
+
+
+@pytest.mark.parametrize("change,fragment", [
+    ("resave", "config.json was rewritten"),
+    ("grow", "model.safetensors was"),
+    ("add", "extra.safetensors is new"),
+    ("remove", "tokenizer.json is gone"),
+    ("delete", "no longer exists"),
+])
+def test_a_reference_to_a_directory_changed_since_is_refused_naming_the_change(tiny_dir, tmp_path, change,
+                                                                              fragment):
+    given, ref = _given_copy(tiny_dir, tmp_path), tmp_path / "ref"
+    ref.mkdir()
+    write_model_reference(given, ref)
+    if change == "resave":  # the same bytes written again: only the modification time says so
+        config = given / "config.json"
+        text = config.read_text()
+        stat = config.stat()
+        config.write_text(text)
+        os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    elif change == "grow":
+        with open(given / "model.safetensors", "ab") as handle:
+            handle.write(b"\0")
+    elif change == "add":
+        shutil.copy(given / "model.safetensors", given / "extra.safetensors")
+    elif change == "remove":
+        (given / "tokenizer.json").unlink()
+    else:
+        shutil.rmtree(given)
+    for read in (resolve_model_dir, check_model_dir, load_tokenizer):
+        with pytest.raises(ModelDirError, match=fragment) as raised:
+            read(ref)
+        assert str(ref) in str(raised.value) and "stage=sft" in str(raised.value)

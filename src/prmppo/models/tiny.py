@@ -95,6 +95,9 @@ def pick_tokenizer(kind: str, task, max_position_embeddings: int) -> str:
 class TinyModelSource:
     """Builds the tiny model for a task and saves it as an HF-layout directory."""
 
+    # its directory lies in the run dir, which may be deleted: an SFT artifact copies its (small) weights
+    lasting_weights = False
+
     def __init__(
         self,
         hidden_size: int = TinyModelConfig.hidden_size,

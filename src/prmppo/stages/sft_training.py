@@ -7,6 +7,9 @@ the `sft` split with a seeded generator. Simplifications: no packing (rows are r
 the batch's longest), no gradient accumulation (the tiny model fits).
 At the end it scores greedy accuracy on the `test` split (the RL prompt distribution) and on
 held-out SFT-distribution problems, and saves an HF-layout checkpoint that later stages load.
+With `sft.steps=0` on a directory that outlives the run (`model=hf`), the checkpoint is that directory:
+the artifact keeps no copy of its weights, only a reference to it (`models/loading.py MODEL_REFERENCE`,
+checked against the directory's files whenever it is read), and `ensure_sft` returns the directory itself.
 
 Several ranks (`topology=fsdp`, `distributed/`): data parallel over the ranks with the model sharded by
 FSDP2 (fp32 weights, per decoder block and at the root, computing in `model.dtype`). Every rank
@@ -35,7 +38,7 @@ from prmppo.distributed.shard import clip_global_norm
 from prmppo.errors import PrmppoError
 from prmppo.evaluation import score
 from prmppo.logger.console import log_milestone, progress as progress_bar
-from prmppo.models.loading import DTYPES, load_tokenizer
+from prmppo.models.loading import DTYPES, load_tokenizer, resolve_model_dir, write_model_reference
 from prmppo.ppo.maths import make_scheduler
 from prmppo.stages.common import Made, make_or_reuse, open_metrics, train_device
 
@@ -143,11 +146,14 @@ def _greedy(model, tokenizer, task, problems, cfg: DictConfig, show_progress: bo
 
 
 def ensure_sft(cfg: DictConfig, task, run_dir: Path, reuse: bool, ranks=None) -> tuple[Path, dict]:
-    """The SFT checkpoint for this config and its summary: reused when `reuse` and it exists, else trained and
-    published (`make_or_reuse`: under the artifact's build lock, so parallel runs that need the same one wait
-    for the first to build it). `ranks`: one process when None; under `topology=fsdp` every rank calls this."""
+    """The directory of this config's SFT weights and its summary: the artifact, reused when `reuse` and it
+    exists, else trained and published (`make_or_reuse`: under the artifact's build lock, so parallel runs that
+    need the same one wait for the first to build it); or, for an artifact that refers to the given model's
+    directory (`sft.steps=0`), that directory once checked unchanged. `ranks`: one process when None; under
+    `topology=fsdp` every rank calls this."""
     ranks = ranks if ranks is not None else OneProcess(train_device(cfg))
-    return make_or_reuse(cfg, "sft", ranks, lambda final: _train(cfg, task, run_dir, ranks, final), reuse)
+    final, summary = make_or_reuse(cfg, "sft", ranks, lambda out: _train(cfg, task, run_dir, ranks, out), reuse)
+    return resolve_model_dir(final), summary
 
 
 def _train(cfg: DictConfig, task, run_dir: Path, ranks, final: Path) -> Made:
@@ -171,6 +177,10 @@ def _train(cfg: DictConfig, task, run_dir: Path, ranks, final: Path) -> Made:
                 ranks=ranks))
         if cfg.sft.eval_problems > 0:
             summary.update(_evaluate(cfg, task, tokenizer, model, logger))
+
+    if cfg.sft.steps == 0 and source.lasting_weights:  # accepted as it is: refer to it, copy nothing
+        summary["weights"] = str(init_dir.resolve())
+        return Made(summary, lambda _, tmp: write_model_reference(init_dir, tmp))
 
     def save(trained, tmp: Path) -> None:
         trained.to(DTYPES[cfg.model.dtype]).save_pretrained(tmp)  # N ranks: the fp32 masters in model.dtype
