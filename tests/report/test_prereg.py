@@ -334,14 +334,14 @@ def test_a_run_contradicting_its_place_or_its_metrics_is_refused(tree, tmp_path)
 
 
 def test_the_study_reproduce_script_passes_check_reproduce(tree, tmp_path):
-    # the study directory as it will be committed: reproduce.sh.in as reproduce.sh, the pre-registration and the
-    # README beside the archive; check_reproduce must keep PREREGISTRATION.md (an input, not an output)
+    # the study's committed reproduce.sh, pre-registration and README beside a synthetic archive; check_reproduce
+    # must keep PREREGISTRATION.md (an input, not an output)
     study_dir = tmp_path / "root" / "prm_vs_orm_flaw"
     study_dir.mkdir(parents=True)
     source = STUDY_FILE.parent
     for name in ("README.md", "PREREGISTRATION.md"):
         shutil.copy(source / name, study_dir / name)
-    shutil.copy(source / "reproduce.sh.in", study_dir / "reproduce.sh")
+    shutil.copy(source / "reproduce.sh", study_dir / "reproduce.sh")
     archive(tree, study_dir / "runs.tar.xz")
     study_spec(study_dir / "study.yaml")
     (study_dir / "deviations.txt").write_text("## Deviations from the pre-registration\n\nNone.\n")
