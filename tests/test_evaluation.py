@@ -1,7 +1,7 @@
 """prmppo.evaluation: pass@k against hand-counted and brute-force numbers, and `score` on a scripted model
 whose every answer the test chooses, so greedy accuracy, sampled accuracy and pass@k are known by hand.
 
-The scripted model goes through the real batched sampler (`rollout/hf_engine.py::sample_responses`):
+The scripted model goes through the real batched sampler (`rollout/decoding.py::sample_responses`):
 left padding, the KV-cache loop, EOS trimming and the `max_new_tokens` cut are all the real ones.
 """
 

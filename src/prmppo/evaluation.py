@@ -15,7 +15,7 @@ from math import comb
 import torch
 
 from prmppo.logger.console import progress
-from prmppo.rollout.hf_engine import sample_responses
+from prmppo.rollout.decoding import sample_responses
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -34,7 +34,7 @@ from prmppo.ppo.estimators import ADVANTAGE_ESTIMATORS
 from prmppo.ppo.maths import AGG_MODES
 from prmppo.ppo.sync import SYNC_MODES
 from prmppo.rewards.kl import KL_ESTIMATORS
-from prmppo.rollout.hf_engine import DECODE_MODES
+from prmppo.rollout.decoding import DECODE_MODES
 from prmppo.rollout.worker import ENGINE_CLASSES
 from prmppo.stages import STAGES
 from prmppo.tasks.answers import CHECKERS

@@ -108,7 +108,7 @@ def test_engine_decodes_with_grouped_attention_and_restores_the_models_own(tmp_p
                         lambda *args, **kwargs: calls.append(args[1].shape[2]) or original(*args, **kwargs))
     engine = HFEngine(save_tiny_qwen2(tmp_path / "m"), decode="static_eager")
     engine.generate(PROMPTS, 2, 5, 1.0, 1.0, 0, EOS, PAD)
-    assert engine._decoder.decode_attention == grouped_attention.NAME
+    assert engine._sampler.decoder.decode_attention == grouped_attention.NAME
     assert calls and set(calls) == {1}  # decode steps (q = 1) only: prefill keeps the model's own
     assert engine.model.config._attn_implementation == "sdpa"
 

@@ -206,11 +206,11 @@ def test_checkpoint_load_equals_loading_that_dir(base_dir, tmp_path):
     checkpoint_dir = save_tiny_model(tmp_path / "ckpt", seed=1)
     engine = HFEngine(base_dir)
     base_tokens = generate(engine, seed=4)[0]
-    resident, decoder = engine.model, engine._decoder
+    resident, decoder = engine.model, engine._sampler.decoder
     engine.load_weights(WeightsSpec("checkpoint", checkpoint_dir, 1))
-    assert engine.model is resident and engine._decoder is decoder  # copied in place: cache and graphs kept
+    assert engine.model is resident and engine._sampler.decoder is decoder  # copied in place: cache and graphs kept
     synced = generate(engine, seed=4)
-    assert engine._decoder is decoder
+    assert engine._sampler.decoder is decoder
     assert synced == generate(HFEngine(checkpoint_dir), seed=4)
     assert synced[0] != base_tokens
     engine.load_weights(WeightsSpec("base", None, 2))  # back from a checkpoint: base reloaded

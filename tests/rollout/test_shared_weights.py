@@ -34,14 +34,14 @@ def test_shared_sync_serves_what_a_checkpoint_of_the_same_weights_serves(tmp_pat
     writer = SharedWeightsWriter(tmp_path / "sync" / "shared")
     engine = HFEngine(base_dir)
     base_tokens = generate(engine, seed=4)[0]
-    resident, decoder = engine.model, engine._decoder
+    resident, decoder = engine.model, engine._sampler.decoder
     assert decoder is not None
     storage = [parameter.data_ptr() for parameter in engine.model.parameters()]
     for version, seed in enumerate((1, 2), start=1):  # the second write reuses the buffer
         checkpoint_dir = save_tiny_model(tmp_path / f"ckpt{seed}", seed=seed)
         path = writer.write(state_of(checkpoint_dir), version)
         engine.load_weights(WeightsSpec("shared", str(path), version))
-        assert engine.model is resident and engine._decoder is decoder
+        assert engine.model is resident and engine._sampler.decoder is decoder
         assert [parameter.data_ptr() for parameter in engine.model.parameters()] == storage  # in place
         expected = state_of(checkpoint_dir)
         assert all(torch.equal(value, expected[name]) for name, value in engine.model.state_dict().items())

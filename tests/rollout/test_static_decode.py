@@ -58,11 +58,11 @@ def test_static_samples_what_dynamic_samples(model_dir, temperature, top_p, monk
 def test_static_decoder_is_kept_across_requests_and_rebuilt_for_new_weights(tmp_path):
     engine = HFEngine(save_tiny_qwen2(tmp_path / "m"), decode="static")
     first = engine.generate(PROMPTS, 2, 5, 1.0, 1.0, 3, EOS, PAD)
-    decoder = engine._decoder
+    decoder = engine._sampler.decoder
     assert decoder is not None and engine.generate(PROMPTS, 2, 5, 1.0, 1.0, 3, EOS, PAD) == first
-    assert engine._decoder is decoder  # same rows, cache long enough: reused
+    assert engine._sampler.decoder is decoder  # same rows, cache long enough: reused
     engine.generate(PROMPTS, 3, 5, 1.0, 1.0, 3, EOS, PAD)
-    assert engine._decoder is not decoder  # other row count: rebuilt
+    assert engine._sampler.decoder is not decoder  # other row count: rebuilt
     assert engine.decode_info == {"loop": "static", "cuda_graph_buckets": [],  # no graphs on a CPU
                                   "decode_attention": "prmppo_grouped"}
 
@@ -103,7 +103,7 @@ def test_unsupported_models_are_named_and_fall_back_to_the_dynamic_loop(tmp_path
     assert "flash_attention_2" in static_decode.unsupported_reason(engine.model, 128)
     engine.model.config._attn_implementation = "sdpa"
     tokens, _, _ = engine.generate(PROMPTS, 2, 4, 1.0, 1.0, 0, EOS, PAD)
-    assert engine._decoder is None and len(tokens) == 6
+    assert engine._sampler.decoder is None and len(tokens) == 6
     assert engine.decode_info == {"loop": "dynamic", "cuda_graph_buckets": [], "decode_attention": None}
 
 

@@ -29,7 +29,7 @@ import torch
 
 from prmppo.rewards.steps import StepBoundaries, align_step_labels
 from prmppo.logger.console import progress
-from prmppo.rollout.hf_engine import sample_responses
+from prmppo.rollout.decoding import sample_responses
 
 Sampler = Callable[[list[list[int]], int], list[list[int]]]
 LABEL_SOURCES = ("checker", "monte_carlo")

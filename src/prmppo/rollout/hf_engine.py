@@ -13,26 +13,9 @@ three kinds of weights (`WeightsSpec.kind`):
 - "shared": full merged weights the trainer keeps in a buffer shared with this process (a CUDA
   IPC handle or a `/dev/shm` file, `shared_weights.py`), copied into the resident tensors in place.
 
-Sampling (`generate`): every prompt is repeated n times. Two loops (`decode`):
-
-- "static" (the default; "static_eager" without CUDA graphs): `static_decode.py`, a
-  pre-allocated KV cache, length-sorted prefill chunks, finished rows dropped from the decode
-  batch in bucket sizes, each bucket's decode step a CUDA graph on CUDA;
-- "dynamic": rows LEFT-padded to a common length with explicit position ids (cumsum(mask) - 1,
-  so padding never shifts positions), one prefill forward, then one token per row per step
-  through the model's own growing KV cache; rows that finished keep being fed (their outputs
-  are discarded) until the whole batch is done. In-process sampling (`sample_responses`) uses it.
-
-Both draw the same random numbers (`sampling.py`), so for a seed they sample the same tokens up to
-float rounding of the logits. A row stops after EOS (positions after it are not returned).
-
-Logprob contract: the logprob returned for a sampled token is log_softmax(logits / temperature)
-at that token, computed in float32 BEFORE top-p truncation. It therefore equals what the trainer
-gets from one full forward pass over prompt + response at the same temperature, which is what
-the PPO ratio tripwire compares (with top_p < 1 the sampling distribution differs from that
-logprob; that is the usual, documented PPO approximation).
-
-Simplifications: no continuous batching and no paged cache.
+Sampling (`generate`): `decoding.py` (`Decoding`), the loop the in-process engine runs on the
+trainer's own model too: a static KV cache with CUDA graphs by default, the model's own growing
+cache as the fallback; the logprob contract is stated there.
 
 Run the tests: `PYTHONPATH=src pytest tests/rollout/test_hf_engine.py -q`.
 """
@@ -44,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from prmppo.rollout.protocol import WeightsSpec, validate_sampling_args
-from prmppo.rollout.sampling import left_pad, next_tokens  # noqa: F401 (left_pad: guards/gates.py)
+from prmppo.rollout.decoding import Decoding
+from prmppo.rollout.protocol import WeightsSpec
+from prmppo.rollout.sampling import left_pad  # noqa: F401 (guards/gates.py)
 from prmppo.rollout.shared_weights import SharedWeightsReader
-from prmppo.rollout.static_decode import StaticDecoder, sample_static, unsupported_reason
 
 LOG = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -75,30 +58,17 @@ def find_adapter_dir(path: str | Path) -> Path:
     )
 
 
-DECODE_MODES = ("static", "static_eager", "dynamic")
-SLOT_ROUNDING = 128  # the static cache's length is rounded up to this, so that it serves later requests
-
-
 class HFEngine:
     """A Hugging Face causal LM that serves base / checkpoint / adapter weights and samples.
 
-    `decode` picks the sampling loop: "static" (`static_decode.py`: pre-allocated KV cache,
-    finished rows dropped in buckets, each bucket's decode step a CUDA graph on CUDA),
-    "static_eager" (the same without graphs) or "dynamic" (`_sample_loop`: the model's own
-    growing cache, every row fed until all are done). `done_check_every` (decode steps between
-    reads of how many rows are unfinished) and `prefill_tokens` (padded tokens per prefill
-    forward) tune the static loop.
+    `decode`, `done_check_every` and `prefill_tokens` are the sampling loop's (`decoding.Decoding`).
     """
 
     def __init__(self, base_model_dir: str, device: str = "cpu", dtype: str = "float32", decode: str = "static",
                  done_check_every: int = 8, prefill_tokens: int = 16384) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r} is invalid; valid: {sorted(DTYPES)}")
-        if decode not in DECODE_MODES:
-            raise ValueError(f"decode={decode!r} is invalid; valid: {list(DECODE_MODES)}")
-        for name, value in (("done_check_every", done_check_every), ("prefill_tokens", prefill_tokens)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} is invalid; it must be an integer >= 1")
+        self._sampler = Decoding(decode, done_check_every, prefill_tokens)  # checks its arguments
         if not (Path(base_model_dir) / "config.json").is_file():
             raise FileNotFoundError(
                 f"base_model_dir={base_model_dir!r} has no config.json (need an HF-layout dir)"
@@ -106,9 +76,6 @@ class HFEngine:
         self.base_model_dir = str(base_model_dir)
         self.device = device
         self.dtype = DTYPES[dtype]
-        self.decode, self.done_check_every, self.prefill_tokens = decode, done_check_every, prefill_tokens
-        self._decoder: StaticDecoder | None = None
-        self._last_loop: str | None = None  # the loop the last generate ran
         self._model = self._load_hf_dir(self.base_model_dir)
         self._resident = "base"  # resident backbone: "base" | "checkpoint" | "unknown"
         self._base_copy: dict[str, torch.Tensor] = {}  # exact base values of what adapters change
@@ -123,13 +90,8 @@ class HFEngine:
 
     @property
     def decode_info(self) -> dict:
-        """What the last `generate` ran: its loop ("static" or "dynamic", which a model the static
-        loop cannot run falls back to), the bucket sizes that have a captured CUDA graph, and the
-        static loop's decode attention (`grouped_attention.NAME`, or None: the model's own)."""
-        decoder = self._decoder if self._last_loop == "static" else None
-        graphs = sorted(decoder.graphs) if decoder is not None and decoder.use_graphs else []
-        attention = decoder.decode_attention if decoder is not None else None
-        return {"loop": self._last_loop, "cuda_graph_buckets": graphs, "decode_attention": attention}
+        """What the last `generate` ran (`Decoding.info`): its loop, the CUDA-graph buckets, the decode attention."""
+        return self._sampler.info
 
     @property
     def model(self) -> torch.nn.Module:
@@ -142,7 +104,7 @@ class HFEngine:
         from transformers import AutoModelForCausalLM
 
         LOG.info("loading HF weights from %s (dtype=%s, device=%s)", model_dir, self.dtype, self.device)
-        self._decoder = None  # its graphs and buffers belong to the module being replaced
+        self._sampler.release()  # its graphs and buffers belong to the module being replaced
         model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=self.dtype,
                                                      use_safetensors=True)
         return model.to(self.device).eval()
@@ -234,43 +196,8 @@ class HFEngine:
             raise RuntimeError(
                 "no weights are served: the last load_weights failed; load weights again first"
             )
-        validate_sampling_args(
-            prompt_token_ids, n_samples_per_prompt, max_new_tokens, temperature, top_p, seed,
-            eos_token_id, pad_token_id,
-        )
-        vocab_size = self._model.get_input_embeddings().num_embeddings
-        for index, prompt in enumerate(prompt_token_ids):
-            if max(prompt) >= vocab_size:
-                raise ValueError(
-                    f"prompt_token_ids[{index}] holds id {max(prompt)} >= vocab size {vocab_size}"
-                )
-        generator = torch.Generator(device=self.device).manual_seed(seed)
-        rows = [prompt for prompt in prompt_token_ids for _ in range(n_samples_per_prompt)]
-        decoder = self._static_decoder(len(rows), max(map(len, rows)) + max_new_tokens)
-        self._last_loop = "dynamic" if decoder is None else "static"
-        if decoder is None:
-            tokens, logprobs, done = _sample_loop(self._model, rows, max_new_tokens, temperature, top_p, generator,
-                                                  eos_token_id, pad_token_id, self.device)
-        else:
-            tokens, logprobs, done = sample_static(decoder, rows, max_new_tokens, temperature, top_p, generator,
-                                                   eos_token_id, pad_token_id, self.done_check_every)
-        return _trim_rows(tokens, logprobs, done, eos_token_id)
-
-    def _static_decoder(self, rows: int, slots_needed: int) -> StaticDecoder | None:
-        """The static decoder for this request (kept while it fits), or None for the dynamic loop."""
-        if self.decode == "dynamic":
-            return None
-        if self._decoder is not None and self._decoder.fits(self._model, rows, slots_needed):
-            return self._decoder
-        self._decoder = None  # free its buffers before allocating new ones
-        slots = -(-slots_needed // SLOT_ROUNDING) * SLOT_ROUNDING
-        reason = unsupported_reason(self._model, slots)
-        if reason is not None:
-            LOG.warning("decode=%s cannot run this model (%s); sampling with the dynamic cache", self.decode, reason)
-            return None
-        use_graphs = self.decode == "static" and torch.device(self.device).type == "cuda"
-        self._decoder = StaticDecoder(self._model, rows, slots, use_graphs, self.prefill_tokens)
-        return self._decoder
+        return self._sampler.generate(self._model, self.device, prompt_token_ids, n_samples_per_prompt,
+                                      max_new_tokens, temperature, top_p, seed, eos_token_id, pad_token_id)
 
 
 def copy_checkpoint_in_place(model: torch.nn.Module, checkpoint_dir: str) -> bool:
@@ -324,73 +251,3 @@ def adapter_base_parameters(peft_model) -> list[torch.nn.Parameter]:
         elif hasattr(module, "original_module"):
             touched += module.original_module.parameters()
     return touched
-
-
-def sample_responses(
-    model, prompt_token_ids: list[list[int]], n_samples_per_prompt: int, max_new_tokens: int,
-    temperature: float, top_p: float, generator: torch.Generator, eos_token_id: int, pad_token_id: int,
-) -> tuple[list[list[int]], list[list[float]], list[str]]:
-    """Sample from any in-process causal LM; rows prompt-major, cut after EOS.
-
-    The engine and in-process evaluation share this loop, so their numbers mean the same.
-    `temperature == 0` means greedy decoding (logprobs then are those of the untempered model).
-    """
-    rows = [prompt for prompt in prompt_token_ids for _ in range(n_samples_per_prompt)]
-    device = next(model.parameters()).device
-    with torch.inference_mode():
-        tokens, logprobs, done = _sample_loop(
-            model, rows, max_new_tokens, temperature, top_p, generator, eos_token_id, pad_token_id, device
-        )
-    return _trim_rows(tokens, logprobs, done, eos_token_id)
-
-
-def _sample_loop(model, rows, max_new_tokens, temperature, top_p, generator, eos_token_id, pad_token_id, device):
-    """Prefill + cached decode; returns tokens [B, T], logprobs [B, T], done [B] (T <= max)."""
-    input_ids, attention_mask, position_ids = left_pad(rows, pad_token_id, device)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
-    next_logits = out.logits[:, -1, :]  # [B, V]
-    next_position = position_ids[:, -1:] + 1  # [B, 1]
-    done = torch.zeros(len(rows), dtype=torch.bool, device=device)  # [B]
-    sampled, sampled_logprobs = [], []
-    for step in range(max_new_tokens):
-        tokens, token_logprobs = next_tokens(next_logits, temperature, top_p, generator)  # [B], [B]
-        tokens = tokens.masked_fill(done, pad_token_id)  # finished rows emit nothing real
-        sampled.append(tokens)
-        sampled_logprobs.append(token_logprobs)
-        done = done | (tokens == eos_token_id)
-        if bool(done.all()) or step == max_new_tokens - 1:
-            break
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(rows), 1))], dim=-1)
-        out = model(
-            input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=next_position,
-            use_cache=True, **_cache_kwargs(out),
-        )
-        next_logits = out.logits[:, -1, :]  # [B, V]
-        next_position = next_position + 1
-    return torch.stack(sampled, dim=1), torch.stack(sampled_logprobs, dim=1), done  # [B, T], [B, T], [B]
-
-
-def _cache_kwargs(out) -> dict:
-    """Feed back the KV cache a forward returned, under the name this transformers uses.
-
-    Recent transformers 5.x releases call it `cache` (and warn on `past_key_values`, to be
-    removed in 5.40); earlier ones call it `past_key_values`. The output's keys tell which
-    name this version speaks.
-    """
-    if "cache" in out.keys():
-        return {"cache": out["cache"]}
-    return {"past_key_values": out["past_key_values"]}
-
-
-def _trim_rows(
-    tokens: torch.Tensor, logprobs: torch.Tensor, done: torch.Tensor, eos_token_id: int
-) -> tuple[list[list[int]], list[list[float]], list[str]]:
-    """Cut each row after its first EOS; rows without EOS ran out of `max_new_tokens`."""
-    token_rows, logprob_rows, finish_reasons = [], [], []
-    rows = zip(tokens.tolist(), logprobs.float().tolist(), done.tolist())
-    for row_tokens, row_logprobs, row_done in rows:
-        length = row_tokens.index(eos_token_id) + 1 if row_done else len(row_tokens)
-        token_rows.append(row_tokens[:length])
-        logprob_rows.append(row_logprobs[:length])
-        finish_reasons.append("stop" if row_done else "length")
-    return token_rows, logprob_rows, finish_reasons

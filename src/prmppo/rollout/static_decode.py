@@ -1,6 +1,6 @@
 """The built-in engine's fast decode path: a pre-allocated KV cache, CUDA graphs, bucketed rows.
 
-`sample_static` returns exactly what `hf_engine._sample_loop` returns (tokens [B, T], logprobs
+`sample_static` returns exactly what `decoding.sample_loop` returns (tokens [B, T], logprobs
 [B, T], done [B]) and draws the same random numbers, so for a fixed seed both paths sample the
 same tokens up to float rounding of the logits. What it does differently:
 
