@@ -35,6 +35,7 @@ from prmppo.ppo.maths import AGG_MODES
 from prmppo.ppo.sync import SYNC_MODES
 from prmppo.rewards.kl import KL_ESTIMATORS
 from prmppo.rollout.decoding import DECODE_MODES
+from prmppo.rollout.inprocess import ENGINE as IN_PROCESS_ENGINE
 from prmppo.rollout.worker import ENGINE_CLASSES
 from prmppo.stages import STAGES
 from prmppo.tasks.answers import CHECKERS
@@ -49,7 +50,7 @@ WANDB_MODES = ("auto", "offline", "online")
 CHOICE_HOMES = {
     "stage.name": tuple(STAGES),
     "model.dtype": tuple(DTYPES),
-    "rollout.engine": tuple(ENGINE_CLASSES),
+    "rollout.engine": (*ENGINE_CLASSES, IN_PROCESS_ENGINE),
     "rollout.sync": SYNC_MODES,
     "rollout.decode": DECODE_MODES,
     "logger.mode": WANDB_MODES,

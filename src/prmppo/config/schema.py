@@ -244,12 +244,13 @@ class FullFinetuneConfig(LoraConfig):
 class RolloutConfig:
     # the client of the worker process that runs the engine (`rollout/client.py`)
     _target_: str = "prmppo.rollout.client.rollout_client"
-    # engine run by the worker process: hf (built-in) | vllm
+    # engine run by the worker process: hf (built-in) | vllm; inprocess: rollout=inprocess (no worker)
     engine: str = "hf"
     # interpreter that runs the worker; "" means the trainer's own interpreter
     python: str = ""
     # weight sync: checkpoint (merged HF dir) | adapter (LoRA adapter only) | shared (merged weights in
-    # memory the built-in engine maps: a CUDA IPC handle or a /dev/shm file; rollout=hf only)
+    # memory the built-in engine maps: a CUDA IPC handle or a /dev/shm file; rollout=hf only) | none
+    # (rollout=inprocess only: the engine samples with the trainer's own weights)
     sync: str = "checkpoint"
     # the engine gets new weights every this many PPO iterations (1 = on-policy)
     sync_every_iterations: int = 1
@@ -259,7 +260,7 @@ class RolloutConfig:
     heartbeat_timeout_s: float = 60.0
     # vllm only: fraction of device memory (of RAM on CPU) the engine may reserve, in (0, 1]
     gpu_memory_utilization: float = 0.3
-    # hf only: decode loop. static (pre-allocated KV cache, finished rows dropped in buckets, CUDA
+    # hf and inprocess: decode loop. static (pre-allocated KV cache, finished rows dropped in buckets, CUDA
     # graphs on CUDA) | static_eager (the same without CUDA graphs) | dynamic (the model's own growing
     # cache, every row fed until all are done: the fallback); rollout/hf_engine.py
     decode: str = "static"
@@ -267,6 +268,17 @@ class RolloutConfig:
     # so that its imports (torch, transformers, peft, the model's module) run beside the trainer's;
     # the run hands it its arguments when it launches the engine (rollout/standby.py)
     standby: bool = True
+
+
+@dataclass
+class InProcessRolloutConfig(RolloutConfig):
+    # the engine in the trainer's process, sampling with the trainer's own policy model: no worker, no
+    # second copy of the weights (`rollout/inprocess.py`); of the keys above it reads `decode` only
+    _target_: str = "prmppo.rollout.inprocess.InProcessEngine"
+    engine: str = "inprocess"
+    # none: the engine sees the trainer's weights as they are (nothing to ship); it must be, with
+    # sync_every_iterations 1
+    sync: str = "none"
 
 
 # --------------------------------------------------------------------------- topology
@@ -348,7 +360,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "arm": {"arm": ArmConfig},
     "reward": {"orm": OutcomeRewardConfig, "prm": ProcessRewardConfig, "prm_external": ExternalProcessRewardConfig},
     "lora": {"adapter": LoraAdapterConfig, "none": FullFinetuneConfig},
-    "rollout": {"rollout": RolloutConfig},
+    "rollout": {"rollout": RolloutConfig, "inprocess": InProcessRolloutConfig},
     "topology": {"topology": TopologyConfig},
     "ppo": {"ppo": PPOConfig},
     "logger": {"logger": LoggerConfig},

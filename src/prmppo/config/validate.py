@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from prmppo.config.build import build_quietly
-from prmppo.config.schema import HFModelConfig, JsonlTaskConfig
+from prmppo.config.schema import HFModelConfig, InProcessRolloutConfig, JsonlTaskConfig
 from prmppo.errors import ConfigError
 
 
@@ -114,6 +114,37 @@ def _check_rollout(problems: list[str], cfg: DictConfig) -> None:
     if cfg.rollout.engine == "vllm" and cfg.rollout.sync == "shared":
         problems.append("rollout=vllm with rollout.sync=shared: only the built-in engine (rollout=hf) maps the "
                         "trainer's shared weights; use rollout.sync=checkpoint or adapter")
+    _check_in_process(problems, cfg)
+
+
+def _check_in_process(problems: list[str], cfg: DictConfig) -> None:
+    """rollout=inprocess samples with the trainer's own model on one process: no sync, no lag, no FSDP."""
+    rollout = cfg.rollout
+    in_process = issubclass(OmegaConf.get_type(rollout), InProcessRolloutConfig)
+    if in_process and rollout.engine != "inprocess":
+        problems.append(f"rollout=inprocess with rollout.engine={rollout.engine}: a worker engine is chosen with "
+                        f"rollout={rollout.engine}, not by renaming the in-process one")
+        return
+    if not in_process and rollout.engine == "inprocess":
+        problems.append("rollout.engine=inprocess under a worker's rollout config: choose the in-process engine "
+                        "with rollout=inprocess")
+        return
+    if not in_process:
+        if rollout.sync == "none":
+            problems.append(f"rollout.sync=none with rollout={rollout.engine}: a worker engine holds its own copy of "
+                            "the weights and must be sent them; use rollout.sync=checkpoint, adapter or shared, or "
+                            "rollout=inprocess")
+        return
+    if rollout.sync != "none":
+        problems.append(f"rollout=inprocess with rollout.sync={rollout.sync}: the engine samples with the trainer's "
+                        "own weights, there is nothing to sync; use rollout.sync=none")
+    if rollout.sync_every_iterations != 1:
+        problems.append(f"rollout=inprocess with rollout.sync_every_iterations={rollout.sync_every_iterations}: the "
+                        "engine always sees the latest weights, so it cannot sample with older ones; use 1, or "
+                        "rollout=hf for a lagged engine")
+    if cfg.topology.name == "fsdp":
+        problems.append("rollout=inprocess with topology=fsdp: rank 0 alone samples, and a sharded model's forward "
+                        "needs every rank; use rollout=hf (the engine on its own GPU) or one process (topology=gpu)")
 
 
 def _check_sft_eval_canary(problems: list[str], cfg: DictConfig) -> None:
@@ -288,7 +319,9 @@ def _check_wandb(problems: list[str], logger: DictConfig) -> None:
 
 CRITIC_KEYS = ("value_lr", "vf_coef", "value_clip", "lam_actor", "lam_critic", "detach_value_hidden")
 BAND_MEASURE_KEYS = ("k", "low", "high", "problems", "temperature", "top_p", "max_new_tokens", "request_rows")
-CANARY_CHECK_KEYS = ("n_problems", "max_drop")  # read by the canary's checks, which canary.every=0 turns off
+CANARY_CHECK_KEYS = ("n_problems", "max_drop")
+# the worker process's own keys, which rollout=inprocess (no worker) never reads
+WORKER_KEYS = ("python", "startup_timeout_s", "request_timeout_s", "heartbeat_timeout_s", "standby")  # read by the canary's checks, which canary.every=0 turns off
 TEST_EVAL_DURING_PPO_KEYS = ("during_ppo_problems", "during_ppo_k")  # eval.every=0 turns that evaluation off
 PRM_STAGES = ("ppo", "pipeline")  # the stages that train (or reuse) a PRM when the reward needs a learned one
 
@@ -340,6 +373,8 @@ def inert_keys(cfg: DictConfig) -> list[str]:
         inert += [f"eval.{key}" for key in TEST_EVAL_DURING_PPO_KEYS]
     inert += _inert_prm_train(cfg, reward)
     inert.append("rollout.decode" if cfg.rollout.engine == "vllm" else "rollout.gpu_memory_utilization")
+    if cfg.rollout.engine == "inprocess":  # no worker: its interpreter, timeouts and standby are never read
+        inert += [f"rollout.{key}" for key in WORKER_KEYS] + ["topology.engine_device"]
     if not (cfg.band.enabled or cfg.stage.name == "band"):
         inert += [f"band.{key}" for key in BAND_MEASURE_KEYS]
     if issubclass(OmegaConf.get_type(cfg.model), HFModelConfig) and \

@@ -31,6 +31,7 @@ from prmppo.errors import PrmppoError
 from prmppo.models.external_prm import check_external_reward
 from prmppo.rollout.client import probe_engine_python, resolve_python
 from prmppo.rollout.hf_engine import left_pad
+from prmppo.rollout.inprocess import ENGINE as IN_PROCESS_ENGINE
 from prmppo.rollout.worker import ENGINE_PACKAGES
 
 
@@ -121,13 +122,13 @@ VLLM_SETUP = ("create it with `bash scripts/setup_vllm_env.sh` (it prints the in
 def check_rollout_engine(engine: str, python: str, head_dim: int | None, head_dim_source: str = "") -> dict:
     """The interpreter named by `rollout.python` can run the rollout worker's engine; returns what it found.
 
-    The trainer's own interpreter runs `hf` without a check. Any other interpreter is run once (a
+    The trainer's own interpreter runs `hf` (and `inprocess`, which has no worker) without a check. Any other interpreter is run once (a
     few seconds: it imports the engine's packages and the worker as the worker would), so a missing
     or broken engine environment is refused before SFT or any weights. For vLLM on CPU, the model's
     attention head size (`head_dim`, when known; `head_dim_source` says where it came from) must be
     one its CPU attention kernels support.
     """
-    if engine == "hf" and not python:
+    if engine == IN_PROCESS_ENGINE or (engine == "hf" and not python):  # the in-process engine: this interpreter
         return {"engine": engine, "python": sys.executable}
     interpreter = resolve_python(python)
     try:

@@ -4,9 +4,11 @@
 `adapter`: only the LoRA `policy` adapter is saved and the engine applies it on its resident
 base. `shared`: the merged weights are written into a buffer the built-in engine maps too (a CUDA
 IPC handle, or a `/dev/shm` file for CPU weights; `rollout/shared_weights.py`) and copied from
-there into its resident tensors: no file is serialised. Every way, a version number travels with
-the weights: each request names the version it must be sampled with and the worker reports what
-it served, so a stale engine is caught.
+there into its resident tensors: no file is serialised. `none`: the in-process engine
+(`rollout=inprocess`) samples with the trainer's own model, so nothing is shipped and a push only
+advances the version of the "live" weights the next request names. Every way, a version number
+travels with the weights: each request names the version it must be sampled with and the worker
+reports what it served, so a stale engine is caught.
 Directories are written under a temp name and renamed; versions older than the previous one
 are pruned.
 """
@@ -19,7 +21,7 @@ from pathlib import Path
 from prmppo.rollout.protocol import WeightsSpec
 from prmppo.rollout.shared_weights import SharedWeightsWriter
 
-SYNC_MODES = ("checkpoint", "adapter", "shared")
+SYNC_MODES = ("checkpoint", "adapter", "shared", "none")
 
 
 class WeightSync:
@@ -34,12 +36,16 @@ class WeightSync:
         shutil.rmtree(self.sync_dir, ignore_errors=True)  # transient: a relaunch starts from no versions
         self.sync_dir.mkdir(parents=True)
         self.tokenizer = tokenizer
-        self.served = WeightsSpec(kind="base", path=None, version=0)
+        # the engine starts on its base weights; the in-process engine (`none`) always holds the trainer's
+        self.served = WeightsSpec(kind="live" if mode == "none" else "base", path=None, version=0)
         self.shared = SharedWeightsWriter(self.sync_dir / "shared") if mode == "shared" else None
 
     def push(self, policy) -> WeightsSpec:
         """Save the current policy for the engine; the next request asks for this version."""
         version = self.served.version + 1
+        if self.mode == "none":  # the engine reads the trainer's weights where they are
+            self.served = WeightsSpec(kind="live", path=None, version=version)
+            return self.served
         if self.shared is not None:
             path = self.shared.write(policy.merged_state_dict(), version)
             self.served = WeightsSpec(kind="shared", path=str(path.resolve()), version=version)

@@ -134,8 +134,10 @@ class HFEngine:
                 self._load_checkpoint(spec)
             elif spec.kind == "shared":
                 self._load_shared(spec)
-            else:
+            elif spec.kind == "adapter":
                 self._load_adapter(spec)
+            else:
+                raise ValueError(f"weights {spec} are the trainer's own: only rollout=inprocess serves them")
         except BaseException:
             self._resident = "unknown"  # forces a reload from disk on the next load_weights
             raise

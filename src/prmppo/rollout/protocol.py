@@ -35,7 +35,8 @@ from prmppo.errors import PrmppoError
 from prmppo.logger.metrics import write_json_atomic as write_json
 
 SCHEMA_VERSION = 1
-WEIGHT_KINDS = ("base", "checkpoint", "adapter", "shared")
+WEIGHT_KINDS = ("base", "checkpoint", "adapter", "shared", "live")
+PATHLESS_KINDS = ("base", "live")  # weights the engine holds already: no path to load from
 FINISH_REASONS = ("stop", "length")
 HEARTBEAT_STATUSES = ("starting", "ready", "busy", "failed")  # "failed": the engine could not start
 # A request id becomes a file name: keep it to a portable, non-hidden set of characters.
@@ -120,7 +121,9 @@ class WeightsSpec:
     kind "base": the worker's base model (path None); "checkpoint": a merged HF-layout dir
     (config.json + safetensors) at `path`; "adapter": a peft LoRA adapter dir at `path`,
     applied on the resident base; "shared": merged weights in a buffer shared with the trainer,
-    described by the manifest in `path` (`rollout/shared_weights.py`; the built-in engine only).
+    described by the manifest in `path` (`rollout/shared_weights.py`; the built-in engine only);
+    "live": the trainer's own weights as they are now (path None; the in-process engine only,
+    `rollout/inprocess.py`).
     """
 
     kind: str
@@ -130,9 +133,9 @@ class WeightsSpec:
     def __post_init__(self) -> None:
         if self.kind not in WEIGHT_KINDS:
             raise ValueError(f"weights.kind={self.kind!r} is invalid; valid: {WEIGHT_KINDS}")
-        if self.kind == "base" and self.path is not None:
-            raise ValueError(f"weights.path must be null for kind='base', got {self.path!r}")
-        if self.kind != "base" and (not isinstance(self.path, str) or not self.path):
+        if self.kind in PATHLESS_KINDS and self.path is not None:
+            raise ValueError(f"weights.path must be null for kind={self.kind!r}, got {self.path!r}")
+        if self.kind not in PATHLESS_KINDS and (not isinstance(self.path, str) or not self.path):
             raise ValueError(
                 f"weights.path must be a directory for kind={self.kind!r}, got {self.path!r}"
             )

@@ -172,6 +172,8 @@ class VLLMEngine:
         if spec.kind == "shared":
             raise ValueError("weights.kind='shared' is served by the built-in engine only (rollout=hf); "
                              "vLLM takes rollout.sync=checkpoint or adapter")
+        if spec.kind == "live":
+            raise ValueError(f"weights {spec} are the trainer's own: only rollout=inprocess serves them")
         self._served = None
         try:
             if spec.kind == "checkpoint":

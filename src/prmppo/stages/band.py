@@ -53,9 +53,10 @@ from prmppo.distributed.ranks import OneProcess
 from prmppo.errors import DataError, DataFileMissing
 from prmppo.guards.gates import check_rollout_engine, verifier_receipt
 from prmppo.logger.console import progress
-from prmppo.models.loading import load_tokenizer
+from prmppo.models.loading import load_model, load_tokenizer
 from prmppo.rollout.protocol import RolloutRequest, WeightsSpec
-from prmppo.stages.common import BAND_FILE, Made, head_dim, make_or_reuse, open_metrics, write_stage_result
+from prmppo.stages.common import (BAND_FILE, Made, engine_in_process, head_dim, make_or_reuse, open_metrics,
+                                  write_stage_result)
 from prmppo.stages.sft_training import ensure_sft
 
 log = logging.getLogger("prmppo")
@@ -265,9 +266,12 @@ def _measure(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path) -> list
     b, tokenizer = cfg.band, load_tokenizer(sft_checkpoint)
     problems = distinct_train_problems(task, b.problems)
     prompt_ids = [tokenizer(task.format_prompt(p))["input_ids"] for p in problems]
-    client = build(cfg.rollout, "rollout worker client", spool_dir=run_dir / "spool",
+    # the in-process engine samples with a model this process holds: the SFT checkpoint, loaded here once
+    model = {"model": load_model(sft_checkpoint, cfg.model.dtype, cfg.topology.train_device)} \
+        if engine_in_process(cfg) else {}
+    client = build(cfg.rollout, "rollout engine", spool_dir=run_dir / "spool",
                    base_model_dir=str(sft_checkpoint), log_path=run_dir / "worker.log",
-                   device=cfg.topology.engine_device, dtype=cfg.model.dtype, lora_rank=0, seed=cfg.seed)
+                   device=cfg.topology.engine_device, dtype=cfg.model.dtype, lora_rank=0, seed=cfg.seed, **model)
     with client as engine:
         sample = worker_sampler(engine, tokenizer, temperature=b.temperature, top_p=b.top_p,
                                 max_new_tokens=b.max_new_tokens, seed=cfg.seed)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
+from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
 from prmppo import artifacts
@@ -41,6 +42,13 @@ def train_device(cfg: DictConfig) -> torch.device:
         raise PrmppoError(f"topology.train_device={cfg.topology.train_device!r} but no CUDA device is visible; "
                           "use topology=cpu")
     return device
+
+
+def engine_in_process(cfg: DictConfig) -> bool:
+    """Whether the rollout engine `cfg.rollout` names samples with a model this process holds
+    (`rollout=inprocess`, asked of its `_target_`), which the stage then loads or trains and hands it,
+    rather than in a worker process that loads its own copy."""
+    return bool(getattr(get_object(cfg.rollout._target_), "in_process", False))
 
 
 def open_ranks(cfg: DictConfig, run_dir: Path):

@@ -37,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from prmppo.checkpoint_format import VALUE_HEAD_FILE, save_value_head
 from prmppo.config.build import build
-from prmppo.distributed.ranks import OneProcess
+from prmppo.distributed.ranks import NoEngine, OneProcess
 from prmppo.errors import StopRequested
 from prmppo.evaluation import score
 from prmppo.guards.canary import Canary
@@ -54,15 +54,17 @@ from prmppo.ppo.run import PPORun
 from prmppo.ppo.sync import WeightSync
 from prmppo.rollout.client import RolloutClient
 from prmppo.stages.band import Band
-from prmppo.stages.common import Made, make_or_reuse, open_metrics, train_device, write_stage_result
+from prmppo.stages.common import (Made, engine_in_process, make_or_reuse, open_metrics, train_device,
+                                  write_stage_result)
 
 log = logging.getLogger("prmppo")
 
 
-def _engine(cfg: DictConfig, base_dir: Path, run_dir: Path, lora_rank: int) -> RolloutClient:
-    return build(cfg.rollout, "rollout worker client", spool_dir=run_dir / "spool", base_model_dir=str(base_dir),
+def _engine(cfg: DictConfig, base_dir: Path, run_dir: Path, lora_rank: int, **model) -> RolloutClient:
+    """The rollout engine: a worker client, or (`model`: the policy's model) the in-process engine."""
+    return build(cfg.rollout, "rollout engine", spool_dir=run_dir / "spool", base_model_dir=str(base_dir),
                  log_path=run_dir / "worker.log", device=cfg.topology.engine_device, dtype=cfg.model.dtype,
-                 lora_rank=lora_rank, seed=cfg.seed)
+                 lora_rank=lora_rank, seed=cfg.seed, **model)
 
 
 def banner(cfg: DictConfig, tokenizer, shape, base_dir: Path, policy, gates: dict, band: Band | None) -> dict:
@@ -190,7 +192,8 @@ def _build(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict, pr
     """Every component of the run, in the order that lets the worker start while the rest is built; the
     worker is closed when any of it fails."""
     lora_rank = cfg.lora.r if get_class(cfg.lora._target_).ships_adapter else 0
-    engine = ranks.main_engine(lambda: _engine(cfg, base_dir, run_dir, lora_rank))
+    in_process = engine_in_process(cfg)  # then built on the policy's model, once the PRM has joined it
+    engine = NoEngine() if in_process else ranks.main_engine(lambda: _engine(cfg, base_dir, run_dir, lora_rank))
     engine.launch()  # the worker starts (imports, loads) while the trainer sets up; `wait_ready` below waits for it
     try:
         with laps.lap("tokenizer"):
@@ -208,6 +211,8 @@ def _build(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict, pr
                                                  chunk_tokens=cfg.ppo.logit_chunk_tokens, **probe)
         # every rank runs the canary (its generation goes through the sharded model); rank 0 keeps the rows
         canary = _canary(cfg, task, tokenizer, policy, run_dir / "canary.jsonl" if ranks.is_main else Path(os.devnull))
+        if in_process:
+            engine = ranks.main_engine(lambda: _engine(cfg, base_dir, run_dir, lora_rank, model=policy.model))
         full_policy = ranks.shard_policy(policy, DTYPES[cfg.model.dtype])  # N ranks: checked, then sharded
         every = cfg.rollout.sync_every_iterations
         sync = ranks.weight_sync(lambda: WeightSync(cfg.rollout.sync, every, run_dir / "sync", tokenizer),
