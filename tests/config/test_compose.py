@@ -114,7 +114,16 @@ def test_schema_rejects_at_compose_time(override, fragment):
     (["rollout=vllm", "rollout.sync=adapter"], ["lora.modules_to_save=['model.norm'] with rollout=vllm",
                                                  "rollout.sync=checkpoint or lora.modules_to_save=[]"]),
     (["rollout=vllm", "rollout.sync=shared"], ["rollout=vllm with rollout.sync=shared", "rollout=hf"]),
-    (["rollout.sync=file"], ["rollout.sync='file'", "checkpoint, adapter, shared"]),
+    (["rollout.sync=file"], ["rollout.sync='file'", "checkpoint, adapter, shared, none"]),
+    # the in-process engine reads the trainer's weights: no sync, no lag, one process
+    (["rollout=inprocess", "rollout.sync=checkpoint"], ["rollout=inprocess with rollout.sync=checkpoint",
+                                                        "rollout.sync=none"]),
+    (["rollout=inprocess", "rollout.sync_every_iterations=2"], ["rollout.sync_every_iterations=2", "use 1"]),
+    (["rollout=inprocess", "topology=fsdp", "stage=ppo"], ["rollout=inprocess with topology=fsdp", "rollout=hf"]),
+    (["rollout.sync=none"], ["rollout.sync=none with rollout=hf", "rollout=inprocess"]),
+    (["rollout.engine=inprocess"], ["rollout.engine=inprocess under a worker's rollout config",
+                                    "rollout=inprocess"]),
+    (["rollout=inprocess", "rollout.engine=hf"], ["rollout=inprocess with rollout.engine=hf", "rollout=hf"]),
     (["lora.modules_to_save_lr=0"], ["lora.modules_to_save_lr=0", "> 0"]),
     (["rollout.decode=fast"], ["rollout.decode='fast'", "static_eager"]),
     (["rollout=vllm", "rollout.gpu_memory_utilization=1.5"], ["rollout.gpu_memory_utilization=1.5", "(0, 1]"]),
@@ -140,7 +149,7 @@ def test_schema_rejects_at_compose_time(override, fragment):
     # PRM heads, the arith chains)
     (["stage.name=train"], ["stage.name='train'", "sft, prm, band, ppo, eval, pipeline"]),
     (["model.dtype=int8"], ["model.dtype='int8'", "float32, bfloat16, float16"]),
-    (["rollout.engine=sglang"], ["rollout.engine='sglang'", "hf, vllm"]),
+    (["rollout.engine=sglang"], ["rollout.engine='sglang'", "hf, vllm, inprocess"]),
     (["prm_train.head=bogus"], ["prm_train.head='bogus'", "mode_gap, log_ratio, classifier"]),
     (["task.rl.operators=['/']"], ["task.rl.operators=['/'] must be a non-empty subset of ['+', '-', '*']"]),
 ])

@@ -62,3 +62,11 @@ def test_each_engine_leaves_the_others_key_inert():
     assert "rollout.decode" not in _inert("rollout=hf")
     assert "rollout.decode" in _inert("rollout=vllm")
     assert "rollout.gpu_memory_utilization" not in _inert("rollout=vllm")
+
+
+def test_in_process_engine_leaves_the_workers_keys_inert():
+    inert = _inert("rollout=inprocess")
+    assert {"rollout.python", "rollout.standby", "rollout.request_timeout_s", "topology.engine_device",
+            "rollout.gpu_memory_utilization"} <= set(inert)
+    assert "rollout.decode" not in inert  # it runs the built-in engine's loop
+    assert "rollout.python" not in _inert("rollout=hf")

@@ -32,10 +32,12 @@ def _ppo_rows(run_dir: Path) -> list[dict]:
     return [row for row in rows if row["stage"] == "ppo"]
 
 
-def test_stopped_then_relaunched_run_equals_an_uninterrupted_one(tmp_path):
+# the worker engine is sent the resumed weights; the in-process engine samples with the policy they were loaded into
+@pytest.mark.parametrize("rollout", ["hf", "inprocess"])
+def test_stopped_then_relaunched_run_equals_an_uninterrupted_one(tmp_path, rollout):
     def cfg(run_dir: Path, *extra: str):
-        return compose_config(["debug=smoke", f"artifacts_dir={tmp_path / 'artifacts'}", *MOVING, *extra],
-                              run_dir=run_dir)
+        return compose_config(["debug=smoke", f"artifacts_dir={tmp_path / 'artifacts'}", f"rollout={rollout}", *MOVING,
+                               *extra], run_dir=run_dir)
 
     reference = tmp_path / "reference"
     run(cfg(reference))

@@ -68,6 +68,32 @@ def test_ppo_smoke_engine_matches_trainer_after_sync(smoke_cfg, sync):
     assert (Path(summary["checkpoint"]) / "config.json").exists()
 
 
+# the in-process engine samples with the trainer's own model: under arm=prm the learned PRM's adapter joins that
+# model beside the policy's; under lora=none the engine samples with the very object the update trains
+@pytest.mark.parametrize("overrides", [["arm=orm"], ["arm=prm"],
+                                       pytest.param(["arm=orm", "lora=none"], marks=pytest.mark.slow)],
+                         ids=["orm", "prm", "orm-full"])
+def test_ppo_smoke_with_the_in_process_engine(smoke_cfg, overrides):
+    cfg = smoke_cfg("stage=ppo", "rollout=inprocess", *overrides, "ppo.lr=0.05", "ppo.warmup_steps=0",
+                    "ppo.entropy_coef=1.0")  # moves the policy in one update, as above
+    summary = run(cfg)
+    run_dir = Path(cfg.run_dir)
+    rows = _metrics(run_dir, "ppo")
+    assert [r["step"] for r in rows] == [0, 1]
+    assert abs(rows[1]["ppo/kl_ref"]) > 1e-3, "the policy did not move: the check below would prove nothing"
+    for row in rows:
+        assert row["rollout/engine_logprob_abs_diff"] < 1e-4  # sampled with the weights the trainer scores
+        assert row["ppo/first_minibatch_ratio_dev"] < 1e-4
+    banner = json.loads((run_dir / "banner.json").read_text())
+    assert banner["rollout"] == {"engine": "inprocess", "sync": "none", "sync_every_iterations": 1}
+    gate = banner["gates"]["ratio_tripwire"]  # the engine-gap gate at launch
+    assert gate["self_test"] == "fired" and gate["measured_at_identical_weights"] < 1e-4 and gate["limit"] == 1e-2
+    assert summary["alarms"] == [] and summary["policy_steps"] == summary["planned_policy_steps"] == 4
+    # no worker was started and nothing was shipped to one
+    assert not (run_dir / "worker.log").exists() and not (run_dir / "spool").exists()
+    assert not any((run_dir / "sync").iterdir())
+
+
 def test_skipped_sync_shows_as_an_engine_gap(smoke_cfg):
     # sync every 2 iterations: iteration 1 samples with the base while the trainer has moved
     cfg = smoke_cfg("stage=ppo", "rollout.sync_every_iterations=2", "ppo.lr=0.05", "ppo.warmup_steps=0",
