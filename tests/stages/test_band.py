@@ -281,3 +281,29 @@ def test_pipeline_runs_band_between_sft_and_ppo(smoke_cfg, right_sometimes_sft):
     assert summary["band"] == banner["band"] and "delta" in summary
     stages = [json.loads(line)["stage"] for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
     assert stages.index("band") < stages.index("ppo")
+
+
+@pytest.mark.slow  # SFT, then the band's samples drawn through the worker and in process
+def test_band_samples_in_process_what_the_worker_samples(smoke_cfg, monkeypatch):
+    import prmppo.stages.band as band_stage
+
+    texts: dict[str, list[str]] = {}
+    real_sampler = band_stage.worker_sampler
+
+    def recording_sampler(engine, tokenizer, **settings):
+        sample, name = real_sampler(engine, tokenizer, **settings), type(engine).__name__
+
+        def recorded(prompt_ids, n, index):
+            texts.setdefault(name, []).extend(out := sample(prompt_ids, n, index))
+            return out
+
+        return recorded
+
+    monkeypatch.setattr(band_stage, "worker_sampler", recording_sampler)
+    worker_cfg = smoke_cfg("stage=band")
+    run(worker_cfg)  # SFT, then the band through the worker
+    sft = artifacts.artifact_dir(worker_cfg, "sft")
+    in_process_cfg = smoke_cfg("stage=band", "rollout=inprocess")
+    rows = band_stage._measure(in_process_cfg, build(in_process_cfg.task, "task"), Path(in_process_cfg.run_dir), sft)
+    assert set(texts) == {"RolloutClient", "InProcessEngine"} and len(rows) == 8
+    assert texts["InProcessEngine"] == texts["RolloutClient"] and len(set(texts["RolloutClient"])) > 1
