@@ -34,10 +34,10 @@ def tiny_model(seed: int = 0) -> MistralForCausalLM:
         num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False))
 
 
-def lora_policy(base_dir) -> LoraPolicy:
+def lora_policy(base_dir, dropout: float = 0.0) -> LoraPolicy:
     """A LoRA policy on the model saved at `base_dir`, with a nonzero adapter and a trained final norm."""
     model = MistralForCausalLM.from_pretrained(base_dir)
-    policy = LoraPolicy(model, detach_value_hidden=True, critic=False, r=4, alpha=8, dropout=0.0,
+    policy = LoraPolicy(model, detach_value_hidden=True, critic=False, r=4, alpha=8, dropout=dropout,
                         target_modules=["q_proj", "v_proj", "down_proj"], modules_to_save=["model.norm"])
     generator = torch.Generator().manual_seed(4)
     with torch.no_grad():
@@ -159,7 +159,8 @@ def test_engine_reads_the_trainers_own_weights_and_copies_none(base_dir, decode)
     assert engine.model is policy.model
     assert {name: p.data_ptr() for name, p in policy.model.named_parameters()} == storage_before
     own = {id(p) for p in parameters.values()}
-    assert reads.read and all(id(p) in own for p in reads.read), "the forward read a parameter the trainer lacks"
+    foreign = [tuple(p.shape) for p in reads.read if id(p) not in own]
+    assert reads.read and not foreign, f"the forward read parameters the trainer lacks, shaped {foreign[:3]}"
     read = {id(p) for p in reads.read}
     names = {name for name, p in parameters.items() if id(p) in read}
     # the adapter ran as LoRA matmuls on the trainer's factors, beside the unmerged base weights
@@ -170,12 +171,15 @@ def test_engine_reads_the_trainers_own_weights_and_copies_none(base_dir, decode)
     assert copies.found == [], f"weight-sized tensors made while sampling: {copies.found[:5]}"
 
 
-def test_training_flags_come_back_and_compiled_layers_run_eagerly(base_dir):
-    policy = lora_policy(base_dir)
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_samples_without_dropout_puts_training_flags_back_and_runs_compiled_layers_eagerly(base_dir, training):
+    policy = lora_policy(base_dir, dropout=0.5)
     policy.enable_gradient_checkpointing()
-    policy.train(False)  # as the trainer leaves it: dropout off, checkpointed layers marked training
+    # train: every module training, LoRA dropout live; eval: as the trainer leaves it, dropout off but the
+    # checkpointed layers marked training
+    policy.train(training)
     flags = {name: module.training for name, module in policy.model.named_modules()}
-    assert any(flags.values()) and not all(flags.values())
+    assert all(flags.values()) if training else (any(flags.values()) and not all(flags.values()))
     layers = policy.model.get_base_model().model.layers
 
     def compiled_call(*args, **kwargs):
@@ -184,8 +188,7 @@ def test_training_flags_come_back_and_compiled_layers_run_eagerly(base_dir):
     for layer in layers:
         layer._compiled_call_impl = compiled_call  # what nn.Module.compile sets
     result = in_process_engine(policy.model).generate(request())
-    # a checkpointed layer left in training mode would drop the KV cache and decode something else
-    plain = in_process_engine(lora_policy(base_dir).model).generate(request())  # same weights, never checkpointed
+    plain = in_process_engine(lora_policy(base_dir, dropout=0.5).model).generate(request())  # eval, never checkpointed
     assert (result.token_ids, result.logprobs) == (plain.token_ids, plain.logprobs)
     assert {name: module.training for name, module in policy.model.named_modules()} == flags
     assert all(layer._compiled_call_impl is compiled_call for layer in layers)
