@@ -319,9 +319,9 @@ def _check_wandb(problems: list[str], logger: DictConfig) -> None:
 
 CRITIC_KEYS = ("value_lr", "vf_coef", "value_clip", "lam_actor", "lam_critic", "detach_value_hidden")
 BAND_MEASURE_KEYS = ("k", "low", "high", "problems", "temperature", "top_p", "max_new_tokens", "request_rows")
-CANARY_CHECK_KEYS = ("n_problems", "max_drop")
+CANARY_CHECK_KEYS = ("n_problems", "max_drop")  # read by the canary's checks, which canary.every=0 turns off
 # the worker process's own keys, which rollout=inprocess (no worker) never reads
-WORKER_KEYS = ("python", "startup_timeout_s", "request_timeout_s", "heartbeat_timeout_s", "standby")  # read by the canary's checks, which canary.every=0 turns off
+WORKER_KEYS = ("python", "startup_timeout_s", "request_timeout_s", "heartbeat_timeout_s", "standby")
 TEST_EVAL_DURING_PPO_KEYS = ("during_ppo_problems", "during_ppo_k")  # eval.every=0 turns that evaluation off
 PRM_STAGES = ("ppo", "pipeline")  # the stages that train (or reuse) a PRM when the reward needs a learned one
 

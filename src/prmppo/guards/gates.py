@@ -122,9 +122,10 @@ VLLM_SETUP = ("create it with `bash scripts/setup_vllm_env.sh` (it prints the in
 def check_rollout_engine(engine: str, python: str, head_dim: int | None, head_dim_source: str = "") -> dict:
     """The interpreter named by `rollout.python` can run the rollout worker's engine; returns what it found.
 
-    The trainer's own interpreter runs `hf` (and `inprocess`, which has no worker) without a check. Any other interpreter is run once (a
-    few seconds: it imports the engine's packages and the worker as the worker would), so a missing
-    or broken engine environment is refused before SFT or any weights. For vLLM on CPU, the model's
+    The trainer's own interpreter runs `hf` (and `inprocess`, which has no worker) without a check.
+    Any other interpreter is run once (a few seconds: it imports the engine's packages and the worker
+    as the worker would), so a missing or broken engine environment is refused before SFT or any
+    weights. For vLLM on CPU, the model's
     attention head size (`head_dim`, when known; `head_dim_source` says where it came from) must be
     one its CPU attention kernels support.
     """

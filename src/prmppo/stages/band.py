@@ -262,7 +262,7 @@ def band_gates(cfg: DictConfig, task) -> dict:
 
 
 def _measure(cfg: DictConfig, task, run_dir: Path, sft_checkpoint: Path) -> list[BandRow]:
-    """Steps 1-3 through the rollout engine (a worker, or in process with the model loaded here) on `sft_checkpoint`."""
+    """Steps 1-3 through the rollout engine on `sft_checkpoint` (a worker, or in process on the model loaded here)."""
     b, tokenizer = cfg.band, load_tokenizer(sft_checkpoint)
     problems = distinct_train_problems(task, b.problems)
     prompt_ids = [tokenizer(task.format_prompt(p))["input_ids"] for p in problems]

@@ -5,9 +5,10 @@ as this config's `ppo` artifact (`publish_policy`).
 Build (`_build`): the rollout worker is launched first, so its start overlaps the rest; then the
 tokenizer (EOS derived), the policy on the SFT weights (the reference = the base with adapters off),
 the reward with its step scorer (the learned PRM loads onto the policy's resident base), the
-reference gate (the PRM must not move the reference), and the pieces that differ between one
-process and N ranks, asked of the ranks object: the policy sharded (`ranks.shard_policy`), the
-weight sync and the checkpoint store (`ranks.weight_sync`, `ranks.checkpoints`). `banner.json`
+reference gate (the PRM must not move the reference), the in-process engine under
+`rollout=inprocess` (no worker: it samples with the policy's model, PRM adapter and all, so it comes
+after them), and the pieces that differ between one process and N ranks, asked of the ranks object:
+the policy sharded (`ranks.shard_policy`), the weight sync and the checkpoint store (`ranks.weight_sync`, `ranks.checkpoints`). `banner.json`
 records the run's shape, reward, gates and the seconds each part of the start-up took
 (`startup_s`, `logger/laps.py`). The outer loop is `ppo/run.py` with the monitors
 (`guards/monitors.py`) and the checkpoint keeper (`ppo/checkpoint.py`); rank 0 alone owns the
@@ -53,6 +54,7 @@ from prmppo.ppo.loop import PPOTrainer
 from prmppo.ppo.run import PPORun
 from prmppo.ppo.sync import WeightSync
 from prmppo.rollout.client import RolloutClient
+from prmppo.rollout.inprocess import InProcessEngine
 from prmppo.stages.band import Band
 from prmppo.stages.common import (Made, engine_in_process, make_or_reuse, open_metrics, train_device,
                                   write_stage_result)
@@ -60,7 +62,8 @@ from prmppo.stages.common import (Made, engine_in_process, make_or_reuse, open_m
 log = logging.getLogger("prmppo")
 
 
-def _engine(cfg: DictConfig, base_dir: Path, run_dir: Path, lora_rank: int, **model) -> RolloutClient:
+def _engine(cfg: DictConfig, base_dir: Path, run_dir: Path, lora_rank: int,
+            **model) -> RolloutClient | InProcessEngine:
     """The rollout engine: a worker client, or (`model`: the policy's model) the in-process engine."""
     return build(cfg.rollout, "rollout engine", spool_dir=run_dir / "spool", base_model_dir=str(base_dir),
                  log_path=run_dir / "worker.log", device=cfg.topology.engine_device, dtype=cfg.model.dtype,
