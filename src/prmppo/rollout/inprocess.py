@@ -59,12 +59,13 @@ class InProcessEngine:
 
     def __init__(self, engine: str, python: str, sync: str, sync_every_iterations: int, startup_timeout_s: float,
                  request_timeout_s: float, heartbeat_timeout_s: float, gpu_memory_utilization: float,
-                 decode: str, standby: bool, *, model: nn.Module, **worker_arguments) -> None:
-        # the worker's keys (its interpreter, timeouts, memory share, standby) and the run's worker arguments
-        # (spool, base checkpoint, log, engine device, dtype, LoRA rank, seed) mean nothing here: the engine
-        # runs in this process, on the device and in the dtype `model` has
+                 decode: str, standby: bool, *, model: nn.Module, spool_dir=None, base_model_dir=None, log_path=None,
+                 device=None, dtype=None, lora_rank=None, seed=None) -> None:
+        # the worker's keys (its interpreter, timeouts, memory share, standby) and the arguments a run gives a
+        # worker (spool, base checkpoint, log, engine device, dtype, LoRA rank, seed) mean nothing here: the
+        # engine runs in this process, on the device and in the dtype `model` has
         del python, startup_timeout_s, request_timeout_s, heartbeat_timeout_s, gpu_memory_utilization, standby
-        del worker_arguments
+        del spool_dir, base_model_dir, log_path, device, dtype, lora_rank, seed
         if engine != ENGINE:
             raise ValueError(f"rollout.engine={engine!r} with InProcessEngine: use rollout=inprocess")
         if sync != "none" or sync_every_iterations != 1:
