@@ -4,12 +4,13 @@ The pipeline skips a stage whose artifact exists for the same config: the SFT ch
 keyed by (seed, task, model, sft), so changing `ppo.kl_coef` reuses it while changing
 `sft.steps` makes a new one. The band file is keyed by the SFT checkpoint's sections and the
 band's measurement keys; `band.enabled` and `band.file` say whether and where PPO reads a band,
-not how one is made, so they are left out of its key (they stay in PPO's). An artifact
-directory is written under a temp name and renamed when complete, with `artifact.json`
-recording the config sections it was made from; a directory without that file is an
-interrupted write and is never reused. Runs that need the same artifact at once (the jobs of a
-parallel sweep sharing a seed) take its build lock (`building`): one builds it while the others
-wait, then they reuse it. Under `topology=fsdp` rank 0 alone takes it (`building_on_main`).
+not how one is made, so they are left out of its key (they stay in PPO's). `ppo.compile_cache` is
+left out of PPO's key: it changes how fast a run starts, not what it trains. An artifact directory
+is written under a temp name and renamed when complete, with `artifact.json` recording the config
+sections it was made from; a directory without that file is an interrupted write and is never reused.
+Runs that need the same artifact at once (the jobs of a parallel sweep sharing a seed) take its build
+lock (`building`): one builds it while the others wait, then they reuse it. Under `topology=fsdp`
+rank 0 alone takes it (`building_on_main`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ ARTIFACT_SECTIONS: dict[str, tuple[str, ...]] = {
     "ppo": ("seed", "task", "model", "sft", "prm_train", "arm", "reward", "lora", "rollout", "ppo", "band"),
 }
 # keys of a section left out of one stage's key: they do not change how its artifact is made
-UNKEYED: dict[str, dict[str, tuple[str, ...]]] = {"band": {"band": ("enabled", "file")}}
+UNKEYED: dict[str, dict[str, tuple[str, ...]]] = {"band": {"band": ("enabled", "file")},
+                                                  "ppo": {"ppo": ("compile_cache",)}}  # start-up time only
 MANIFEST = "artifact.json"
 
 log = logging.getLogger("prmppo")

@@ -53,6 +53,12 @@ class PPOConfig:
     # ppo.micro_batch_rows=1) compiles its own once. Works under topology=fsdp too.
     # `python benchmarks/compile_trace.py <overrides>` lists the graphs a run compiles
     compile: bool = False
+    # with compile: keep the compiled graphs in <artifacts_dir>/compile_cache/, keyed by what decides them
+    # (torch and device, model config and dtype, adapters, autocast, checkpointing, ranks), loaded before the
+    # first compiled forward and saved after the first iteration, so that a later run of the same shapes,
+    # on this machine or on another given the artifacts dir, starts without a cold compile. Changes no
+    # number (models/compile_cache.py); false: every run compiles from this machine's own caches
+    compile_cache: bool = True
     ppo_epochs: int = 1
     # tokens
     max_new_tokens: int = 64

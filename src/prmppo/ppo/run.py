@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from prmppo.guards.monitors import Monitors, StopFlag
 from prmppo.logger.console import print_summary, progress
@@ -32,6 +33,8 @@ class PPORun:
     iterations: int
     label: str  # e.g. "ppo[prm]", for the console
     console: bool
+    # called once, after this launch's first iteration (every graph of a compiled run exists by then)
+    after_first_iteration: Callable[[], None] = lambda: None
 
     def run(self, first: int, stop: StopFlag, start: float) -> tuple[list[dict], str | None]:
         """Iterations `first`..`iterations - 1`; returns (this launch's metrics rows, the stop reason or None)."""
@@ -44,6 +47,8 @@ class PPORun:
                                   total=self.iterations, enabled=self.console):
             metrics = self.trainer.iteration(iteration)
             metrics["perf/wall_s"] = time.time() - start
+            if iteration == first:
+                self.after_first_iteration()
             added, alarms, evaluated = self.monitors.after_iteration(iteration, metrics)
             metrics.update(added)
             self.logger.log(iteration, metrics)

@@ -10,9 +10,11 @@ reference gate (the PRM must not move the reference), the in-process engine unde
 after them), and the pieces that differ between one process and N ranks, asked of the ranks object:
 the policy sharded (`ranks.shard_policy`), the weight sync and the checkpoint store (`ranks.weight_sync`, `ranks.checkpoints`). `banner.json`
 records the run's shape, reward, gates and the seconds each part of the start-up took
-(`startup_s`, `logger/laps.py`). The outer loop is `ppo/run.py` with the monitors
-(`guards/monitors.py`) and the checkpoint keeper (`ppo/checkpoint.py`); rank 0 alone owns the
-engine, metrics and banner. The final policy is saved as an HF-layout checkpoint (gathered to rank
+(`startup_s`, `logger/laps.py`). With `ppo.compile`, the compile cache kept in the artifacts dir
+(models/compile_cache.py) is loaded before the engine-gap gate's first compiled forward and saved after
+the first iteration, so that a later run of the same shapes starts warm. The outer loop is
+`ppo/run.py` with the monitors (`guards/monitors.py`) and the checkpoint keeper (`ppo/checkpoint.py`);
+rank 0 alone owns the engine, metrics and banner. The final policy is saved as an HF-layout checkpoint (gathered to rank
 0 under several ranks). A coordinated stop saves, closes the worker, writes `stage_result.json`
 with `stopped` and raises `StopRequested` (exit 3).
 
@@ -46,6 +48,7 @@ from prmppo.guards.gates import check_reference, derive_eos, reference_probe
 from prmppo.guards.monitors import Monitors, StopFlag, engine_gap_tripwire
 from prmppo.logger import write_json_atomic
 from prmppo.logger.laps import Laps
+from prmppo.models.compile_cache import CompileCache, cache_counters, compile_cache_key
 from prmppo.models.loading import DTYPES, load_tokenizer
 from prmppo.models.external_prm import external_step_scorer
 from prmppo.models.prm import build_step_scorer
@@ -247,11 +250,15 @@ def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict,
                                  engine=built.engine, sync=built.sync, ppo=ppo, logger=logger, seed=cfg.seed,
                                  show_progress=cfg.logger.console and ranks.is_main,
                                  prompts=None if band is None else band.problems, ranks=ranks)
+        cache = _compile_cache(cfg, built.policy, ranks, laps)  # before the gate's first compiled forward
+        save_cache = cache.save if cache is not None and ranks.is_main else lambda: None  # rank 0 writes it
         first, monitors = _start(cfg, task, base_dir, run_dir, gates, band, ranks, laps, built, trainer)
         history, stopped = PPORun(trainer, built.keeper, monitors, logger, ppo.iterations, f"ppo[{cfg.arm.name}]",
-                                  cfg.logger.console and ranks.is_main).run(first, stop, built.start)
+                                  cfg.logger.console and ranks.is_main, save_cache).run(first, stop, built.start)
     keeper = built.keeper
     summary = _summary(trainer, ppo, history, keeper.alarms, keeper.pinned, built.start)
+    if cache is not None:  # what the compile cache gave this launch: what it loaded, the caches' hits and misses
+        summary["compile_cache"] = {"file": str(cache.path), "loaded": cache.loaded, **cache_counters()}
     summary["band"] = band.summary() if band is not None else None
     if stopped:  # the worker is closed; the checkpoint just saved is where a relaunch continues
         summary.update(stopped=stopped, checkpoint=str(keeper.checkpoint))
@@ -266,6 +273,19 @@ def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict,
 
     ranks.publish(built.full_policy, save)
     return {"checkpoint": str(final), **summary}
+
+
+def _compile_cache(cfg: DictConfig, policy, ranks, laps: Laps) -> CompileCache | None:
+    """With `ppo.compile` and `ppo.compile_cache`: this run's compile cache in the artifacts dir, keyed by what
+    decides its graphs and loaded (on every rank) into this process's compile caches."""
+    if not (cfg.ppo.compile and cfg.ppo.compile_cache):
+        return None
+    with laps.lap("compile_cache"):
+        key = compile_cache_key(policy.model, ranks.device, autocast=cfg.ppo.autocast,
+                                gradient_checkpointing=cfg.ppo.gradient_checkpointing, world_size=ranks.world_size)
+        cache = CompileCache(Path(cfg.artifacts_dir).resolve() / "compile_cache", key)
+        cache.load()
+    return cache
 
 
 def _start(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict, band: Band | None, ranks,
