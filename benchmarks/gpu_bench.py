@@ -33,6 +33,17 @@ device time (CPU time on a CPU) are printed and written to `<out>/gpu_bench_prof
 CUDA graphs the profiler sees the replayed kernels, not the ops that launched them, so
 `static_eager` is the side that names the ops. The update and the PPO iteration are measured
 elsewhere (`gpu_update_bench.py`).
+
+The decode step's memory-bandwidth bound, per `--rows`: a decode step reads every weight once
+(the parameters in the serving dtype; an untied input embedding only gathers its rows, so it is
+left out) and every row's keys and values (layers x 2 x KV heads x head size x dtype bytes x rows x
+context). At the mean context of the call (the mean prompt length + new tokens / 2: decode step k
+attends over the prompt and k tokens), bytes per step / the device's peak bandwidth is the fastest
+a step can be, and rows / that time the most tokens/s the device's memory allows (`decode_bound`).
+Each side's tokens/s is printed as a percentage of it; prefill is inside the measured time, so the
+percentage is a slight underestimate. The bandwidth: `PEAK_MEMORY_TBPS` by the device name,
+`--peak-tbps`, or else measured here with a large device-to-device copy (always so on a CPU), which
+the table says.
 """
 
 from __future__ import annotations
@@ -50,6 +61,11 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 DECODE_LOOPS = ("static", "static_eager", "dynamic")
+# peak memory bandwidth, TB/s (10^12 bytes/s); the first name found in `torch.cuda.get_device_name` wins.
+# From NVIDIA's datasheets: H200 (SXM and NVL) 4.8 TB/s; H100 SXM 3.35 TB/s, H100 NVL 3.9 TB/s, H100 PCIe
+# 2 TB/s; A100 80GB SXM 2.039 TB/s, A100 80GB PCIe 1.935 TB/s, A100 40GB 1.555 TB/s; L40S 0.864 TB/s
+PEAK_MEMORY_TBPS = {"H200": 4.8, "H100 NVL": 3.9, "H100 PCIe": 2.0, "H100": 3.35, "A100-SXM4-80GB": 2.039,
+                    "A100 80GB PCIe": 1.935, "A100": 1.555, "L40S": 0.864}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -69,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--decode", nargs="+", default=list(DECODE_LOOPS), choices=DECODE_LOOPS)
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
     parser.add_argument("--dtype", default="bfloat16" if cuda else "float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--peak-tbps", type=float, default=0.0,
+                        help="the device's peak memory bandwidth in TB/s, for the decode bound (default: by the "
+                        "device name, else measured with a copy)")
     parser.add_argument("--profile", action="store_true",
                         help="profile one call of each static engine side at the largest --rows")
     parser.add_argument("--out", required=True, help="directory for gpu_bench.json")
@@ -216,6 +235,77 @@ def load_sides(model_dir: Path, args) -> tuple:
     return model, engines
 
 
+def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, rows: int,
+                   context_tokens: float) -> float:
+    """Bytes of keys and values one decode step reads: each layer's K and V of every row's context."""
+    return layers * 2 * kv_heads * head_dim * dtype_bytes * rows * context_tokens
+
+
+def decode_bound(weight_bytes: float, kv_bytes: float, bandwidth_bytes_per_s: float, rows: int) -> float:
+    """The most tokens/s a decode step of `rows` rows allows when reading `weight_bytes + kv_bytes` at
+    `bandwidth_bytes_per_s`: rows / (bytes per step / bandwidth)."""
+    return rows / ((weight_bytes + kv_bytes) / bandwidth_bytes_per_s)
+
+
+def weight_bytes_per_step(model) -> int:
+    """Bytes of weights a decode step reads: every parameter once in its dtype (tied ones once), but for an
+    input embedding that is not the output's, of which a step gathers only its tokens' rows."""
+    inputs, outputs = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total - (inputs.numel() * inputs.element_size() if inputs is not outputs else 0)
+
+
+def copy_bandwidth(device: str, megabytes: int = 1024, repeats: int = 5) -> float:
+    """Bytes/s of a device-to-device copy of `megabytes` (each byte read once and written once)."""
+    source = torch.empty(megabytes * 2**20, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)  # warm-up
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        target.copy_(source)
+    synchronize(device)
+    return 2 * source.numel() * repeats / (time.perf_counter() - start)
+
+
+def bandwidth(args) -> tuple[float, str]:
+    """The device's memory bandwidth in bytes/s and where it came from."""
+    if args.peak_tbps > 0:
+        return args.peak_tbps * 1e12, "--peak-tbps"
+    if args.device.startswith("cuda"):
+        name = torch.cuda.get_device_name(torch.device(args.device))
+        peak = next((tbps for key, tbps in PEAK_MEMORY_TBPS.items() if key in name), None)
+        if peak is not None:
+            return peak * 1e12, f"{name} datasheet peak"
+    megabytes = 1024 if args.device.startswith("cuda") else 256
+    return copy_bandwidth(args.device, megabytes), f"measured: a {megabytes} MiB copy (not a peak)"
+
+
+def bound_figures(config: dict, weight_bytes: int, dtype_bytes: int, rows: int, mean_context: float,
+                  bandwidth_bytes_per_s: float, source: str) -> dict:
+    """The decode bound of one `--rows` shape, with the numbers it comes from."""
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv = kv_cache_bytes(config["num_hidden_layers"], kv_heads, head_dim, dtype_bytes, rows, mean_context)
+    return {"weight_gb": weight_bytes / 1e9, "mean_context": mean_context, "kv_gb": kv / 1e9,
+            "bandwidth_tbps": bandwidth_bytes_per_s / 1e12, "bandwidth_source": source,
+            "bound_tokens_per_s": decode_bound(weight_bytes, kv, bandwidth_bytes_per_s, rows)}
+
+
+def print_bound(results: dict) -> None:
+    print(f"\ndecode-step memory-bandwidth bound (bytes per step: the weights once + every row's KV at the mean "
+          f"context; bandwidth: {next(iter(results['bound'].values()))['bandwidth_source']})")
+    print("| rows | weights GB/step | mean context | KV GB/step | TB/s | bound tokens/s | side | tokens/s | "
+          "% of bound |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for rows, bound in results["bound"].items():
+        for side, fig in results["rows"][rows].items():
+            print(f"| {rows} | {bound['weight_gb']:.3f} | {bound['mean_context']:.1f} | {bound['kv_gb']:.3f} | "
+                  f"{bound['bandwidth_tbps']:.3f} | {bound['bound_tokens_per_s']:.0f} | {side} | "
+                  f"{fig['tokens_per_s']:.0f} | {fig['pct_of_bound']:.1f}% |")
+
+
 def device_name(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(torch.device(device))
@@ -254,6 +344,9 @@ def main(argv=None) -> int:
                "forced_length": "generate: min_new_tokens=max_new_tokens; engine: EOS id outside the vocabulary",
                "rows": {}}
     model, engines = load_sides(model_dir, args)
+    memory = bandwidth(args)  # (bytes/s, its source)
+    weight_bytes, dtype_bytes = weight_bytes_per_step(model), torch.finfo(getattr(torch, args.dtype)).bits // 8
+    results["bound"] = {}
     profiles = ""
     for rows in args.rows:
         chosen = prompts[: rows // args.samples]
@@ -265,6 +358,11 @@ def main(argv=None) -> int:
         for decode, engine in engines.items():
             sides[f"engine:{decode}"].update(engine.decode_info)  # the loop, the graphs, the decode attention
         results["rows"][rows] = sides
+        mean_context = statistics.mean(map(len, chosen)) + args.new_tokens / 2
+        bound = results["bound"][rows] = bound_figures(config, weight_bytes, dtype_bytes, rows, mean_context,
+                                                       *memory)
+        for figures in sides.values():
+            figures["pct_of_bound"] = round(100 * figures["tokens_per_s"] / bound["bound_tokens_per_s"], 2)
         if args.profile and rows == max(args.rows):
             profiles = profile_static_sides(calls, rows, args)
         if args.device.startswith("cuda"):
@@ -276,6 +374,7 @@ def main(argv=None) -> int:
         (out / "gpu_bench_profile.txt").write_text(profiles)
         print(f"\n{profiles}")
     print_table(results)
+    print_bound(results)
     print(f"\nwrote {out / 'gpu_bench.json'}")
     return 0
 

@@ -44,6 +44,13 @@ def test_cpu_smoke_run_writes_forced_length_figures(tmp_path):
     assert sides["engine:static"]["decode_attention"] == "prmppo_grouped"
     assert sides["engine:dynamic"]["decode_attention"] is None
     assert results["device"].startswith("CPU") and "engine:static" in done.stdout
+    # the decode bound: on a CPU the bandwidth is a measured copy, and every side is a percentage of the bound
+    bound = results["bound"]["8"]
+    assert bound["bandwidth_source"].startswith("measured: a 256 MiB copy") and bound["bound_tokens_per_s"] > 0
+    assert bound["weight_gb"] > 0 and bound["kv_gb"] > 0 and bound["mean_context"] > 16 / 2
+    for side in sides.values():
+        assert side["pct_of_bound"] == pytest.approx(100 * side["tokens_per_s"] / bound["bound_tokens_per_s"], abs=0.01)
+    assert "decode-step memory-bandwidth bound" in done.stdout and "measured: a 256 MiB copy" in done.stdout
     # --profile: the static side only, its ops by self time, printed and written
     profile = (tmp_path / "out" / "gpu_bench_profile.txt").read_text()
     assert profile.startswith("engine:static, 8 rows x 16 new tokens") and "engine:dynamic" not in profile
