@@ -16,6 +16,15 @@ dates it, and `worker_ready`, the trainer's wait for the engine). Medians per si
 (without / with), and each side's start-up minus the median bare import: what prmppo adds to the
 imports it cannot avoid (the bar: 5 s without compile, 15 s with `ppo.compile=true` on a warm
 cache). Extra arguments are Hydra overrides for both sides.
+
+    python benchmarks/startup_bench.py --compare compile-cache debug=smoke    # CPU: minutes a run
+
+`--compare compile-cache` puts `ppo.compile=true` on both sides and pits the compile cache kept in the
+artifacts dir (`ppo.compile_cache=true`, written by the untimed first run) against a cold compile
+(`ppo.compile_cache=false`). Every run, the untimed one included, gets empty local compile caches of
+its own (`TORCHINDUCTOR_CACHE_DIR`, `TRITON_CACHE_DIR` under `--out`), as on a fresh machine given the
+artifacts dir: all a run finds compiled comes from that dir. Each run's FX graph cache hits and misses
+(`stage_result.json`) are reported with its times.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -33,11 +43,18 @@ from pathlib import Path
 STAMP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
 BARE_IMPORT = "import torch, transformers, peft"
 STARTED = "start-up (s):"  # logged by the PPO stage once its start-up laps are done, before the first iteration
+# the two sides of each pair and their overrides, per --compare
+SIDES = {"standby": {"standby": ["rollout.standby=true"], "no standby": ["rollout.standby=false"]},
+         "compile-cache": {"compile cache": ["ppo.compile=true", "ppo.compile_cache=true"],
+                           "cold compile": ["ppo.compile=true", "ppo.compile_cache=false"]}}
 
 
 def parse_args() -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=3, help="standby-on / standby-off pairs, alternating")
+    parser.add_argument("--pairs", type=int, default=3, help="pairs of the two sides, alternating")
+    parser.add_argument("--compare", choices=sorted(SIDES), default="standby",
+                        help="standby: the worker in standby or not; compile-cache: with ppo.compile=true, the "
+                        "compile cache in the artifacts dir or a cold compile, on empty local caches")
     parser.add_argument("--out", default="runs/startup_bench", help="run dirs and the shared artifacts dir")
     parser.add_argument("--iterations", type=int, default=1, help="ppo.iterations of each run")
     args, overrides = parser.parse_known_args()
@@ -56,11 +73,15 @@ def first_stamp(path: Path, needle: str) -> float | None:
     return None
 
 
-def launch(overrides: list[str], run_dir: Path, artifacts: Path, iterations: int) -> dict:
+def launch(overrides: list[str], run_dir: Path, artifacts: Path, iterations: int, fresh_caches: bool) -> dict:
+    """One run from launch to exit; with `fresh_caches`, on empty local compile caches of its own."""
     command = [sys.executable, "-m", "prmppo", "stage=ppo", f"ppo.iterations={iterations}",
                f"artifacts_dir={artifacts}", f"hydra.run.dir={run_dir}", *overrides]
+    env = dict(os.environ)
+    if fresh_caches:
+        env.update(TORCHINDUCTOR_CACHE_DIR=str(run_dir / "inductor"), TRITON_CACHE_DIR=str(run_dir / "triton"))
     started = time.time()
-    done = subprocess.run(command, capture_output=True, text=True)
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     ended = time.time()
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
@@ -68,10 +89,16 @@ def launch(overrides: list[str], run_dir: Path, artifacts: Path, iterations: int
     ready = first_stamp(run_dir / "worker.log", " ready: serving")
     startup = first_stamp(run_dir / "__main__.log", STARTED)
     first = first_stamp(run_dir / "__main__.log", f" it 1/{iterations} ")
-    return {"worker_ready_at": None if ready is None else ready - started,
-            "startup_done_at": None if startup is None else startup - started,
-            "first_iteration_at": None if first is None else first - started,
-            "exit_at": ended - started, "startup_total": banner["total"], "waited_for_worker": banner["worker_ready"]}
+    row = {"worker_ready_at": None if ready is None else ready - started,
+           "startup_done_at": None if startup is None else startup - started,
+           "first_iteration_at": None if first is None else first - started,
+           "exit_at": ended - started, "startup_total": banner["total"], "waited_for_worker": banner["worker_ready"]}
+    if fresh_caches:  # the compile caches' hits and misses over the run, and the gate's compiling forward
+        summary = json.loads((run_dir / "stage_result.json").read_text())["summary"]
+        counts = summary.get("compile_cache") or {}
+        row.update(engine_gap_gate=banner["engine_gap_gate"], fxgraph_cache_hit=counts.get("fxgraph_cache_hit"),
+                   fxgraph_cache_miss=counts.get("fxgraph_cache_miss"))
+    return row
 
 
 def bare_import() -> float:
@@ -100,35 +127,42 @@ def print_against_imports(medians: dict, imports: list[float], overrides: list[s
     return {"bare_import": imports, "bare_import_median": bare, "startup_minus_bare_import": over, "bar_s": bar}
 
 
+def median_or_none(values: list) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
 def main() -> int:
     args, overrides = parse_args()
     out = Path(args.out).resolve()
     artifacts = out / "artifacts"
+    sides, fresh = SIDES[args.compare], args.compare == "compile-cache"
     print(f"untimed first run (artifacts in {artifacts}) ...", flush=True)
-    launch(overrides, out / "warm-up", artifacts, args.iterations)
-    runs: dict[str, list[dict]] = {"standby": [], "no standby": []}
+    launch([*overrides, *next(iter(sides.values()))], out / "warm-up", artifacts, args.iterations, fresh)
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
     imports: list[float] = []
     for pair in range(args.pairs):
-        for side, flag in (("standby", "true"), ("no standby", "false")):
-            row = launch([*overrides, f"rollout.standby={flag}"], out / f"{pair}-{flag}", artifacts, args.iterations)
+        for number, (side, side_overrides) in enumerate(sides.items()):
+            row = launch([*overrides, *side_overrides], out / f"{pair}-{number}", artifacts, args.iterations, fresh)
             runs[side].append(row)
             print(f"pair {pair} {side}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items() if v is not None),
                   flush=True)
         imports.append(bare_import())
         print(f"pair {pair} bare import: {imports[-1]:.2f}", flush=True)
-    keys = list(runs["standby"][0])
-    medians = {side: {k: statistics.median(r[k] for r in rows if r[k] is not None) for k in keys}
-               for side, rows in runs.items()}
+    first, second = sides
+    keys = list(runs[first][0])
+    medians = {side: {k: median_or_none([r[k] for r in rows]) for k in keys} for side, rows in runs.items()}
     print(f"\nmedians of {args.pairs} runs each (s; *_at: from the process launch), overrides: {overrides or 'none'}")
     print("| side | " + " | ".join(keys) + " |")
     print("|---|" + "---|" * len(keys))
     for side, row in medians.items():
-        print(f"| {side} | " + " | ".join(f"{row[k]:.2f}" for k in keys) + " |")
-    ratios = {k: medians["no standby"][k] / medians["standby"][k] for k in keys if medians["standby"][k] > 0}
-    print("| without / with | " + " | ".join(f"{ratios[k]:.2f}x" if k in ratios else "" for k in keys) + " |")
-    against = print_against_imports(medians, imports, overrides)
-    (out / "startup_bench.json").write_text(json.dumps({"overrides": overrides, "runs": runs, "medians": medians,
-                                                        **against}, indent=1))
+        print(f"| {side} | " + " | ".join("n/a" if row[k] is None else f"{row[k]:.2f}" for k in keys) + " |")
+    ratios = {k: medians[second][k] / medians[first][k] for k in keys
+              if medians[first][k] and medians[second][k] is not None}
+    print(f"| {second} / {first} | " + " | ".join(f"{ratios[k]:.2f}x" if k in ratios else "" for k in keys) + " |")
+    against = print_against_imports(medians, imports, [*overrides, *sides[first]])
+    (out / "startup_bench.json").write_text(json.dumps({"overrides": overrides, "compare": args.compare, "runs": runs,
+                                                        "medians": medians, **against}, indent=1))
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -171,6 +172,23 @@ def save_perturbed_prm(model, prm_dir: Path, head, targets: list[str]):
                 p.add_(0.3 * torch.randn(p.shape, generator=generator))
     save_prm(prm_dir, peft_model, head)
     return peft_model
+
+
+@contextmanager
+def fresh_compile_process():
+    """This process made to compile as a fresh process on a fresh machine would, for the block: dynamo's
+    compiled code dropped, an empty local compile cache directory, inductor's in-memory caches and the
+    compile artifacts recorded so far set aside, the compile counters zeroed."""
+    import torch
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_cache
+    from torch.compiler._cache import CacheArtifactManager
+
+    torch._dynamo.reset()
+    counters.clear()
+    with CacheArtifactManager.with_fresh_cache(), fresh_cache():
+        yield
+    torch._dynamo.reset()
 
 
 class GraphCounter:

@@ -2,10 +2,8 @@
 it and compiles nothing (inductor's FX graph cache hits), with the same numbers; an unusable file is ignored
 with a warning; a save replaces the file whole or not at all; the key follows what decides the graphs.
 
-"A fresh process on a fresh machine" is simulated in this process by `fresh_process`: dynamo's compiled code
-dropped, an empty local compile cache directory, inductor's in-memory caches and the recorded artifacts
-cleared, the counters zeroed. Each inductor compile on this CPU takes seconds, so the cold compile happens
-once, in a module fixture.
+"A fresh process on a fresh machine" is simulated in this process (conftest.py `fresh_compile_process`).
+Each inductor compile on this CPU takes seconds, so the cold compile happens once, in a module fixture.
 """
 
 from __future__ import annotations
@@ -14,13 +12,11 @@ import hashlib
 import json
 import logging
 import os
-from contextlib import contextmanager
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
-from conftest import tiny_mistral
+from conftest import fresh_compile_process, tiny_mistral
 from prmppo.models.compile_cache import MAGIC, CompileCache, cache_counters, compile_cache_key
 from prmppo.models.policy import LoraPolicy
 
@@ -29,18 +25,6 @@ KEY = "0123456789abcdef"
 
 def small_block(x: torch.Tensor) -> torch.Tensor:  # [n, 16] -> [n, 16]
     return torch.nn.functional.gelu(x @ x.T @ x) * 0.5 + x.sin()
-
-
-@contextmanager
-def fresh_process():
-    from torch._inductor.utils import fresh_cache
-    from torch.compiler._cache import CacheArtifactManager
-
-    torch._dynamo.reset()
-    counters.clear()
-    with CacheArtifactManager.with_fresh_cache(), fresh_cache():
-        yield
-    torch._dynamo.reset()
 
 
 def run_compiled(x: torch.Tensor) -> torch.Tensor:
@@ -52,7 +36,7 @@ def cold_run(tmp_path_factory):
     """A first run: nothing to load, a cold compile, the cache saved; its output, counters and directory."""
     directory = tmp_path_factory.mktemp("compile_cache")
     x = torch.randn(12, 16, generator=torch.Generator().manual_seed(0))
-    with fresh_process():
+    with fresh_compile_process():
         cache = CompileCache(directory, KEY)
         loaded = cache.load()
         out = run_compiled(x)
@@ -66,7 +50,8 @@ def test_a_second_run_loads_the_cache_and_compiles_nothing(cold_run):
     assert cold_run["counters"]["fxgraph_cache_miss"] >= 1 and cold_run["counters"]["fxgraph_cache_hit"] == 0
     path = cold_run["dir"] / f"{KEY}.bin"
     before = path.read_bytes()
-    with fresh_process():
+    assert path.stat().st_mode & 0o777 == 0o644  # other users' runs sharing the artifacts dir can read it
+    with fresh_compile_process():
         cache = CompileCache(cold_run["dir"], KEY)
         assert cache.load()
         assert cache.loaded["inductor"] >= 1
@@ -104,7 +89,7 @@ def test_an_unusable_cache_file_is_ignored_with_a_warning(tmp_path, caplog, cont
 def test_a_corrupt_cache_leaves_the_run_compiling_cold_with_the_same_numbers(cold_run, tmp_path):
     good = (cold_run["dir"] / f"{KEY}.bin").read_bytes()
     (tmp_path / f"{KEY}.bin").write_bytes(good[: len(good) // 2])  # a file cut short
-    with fresh_process():
+    with fresh_compile_process():
         cache = CompileCache(tmp_path, KEY)
         assert not cache.load()
         out = run_compiled(cold_run["x"])

@@ -153,6 +153,7 @@ class CompileCache:
         handle, temp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
         try:
             with os.fdopen(handle, "wb") as out:
+                os.fchmod(out.fileno(), 0o644)  # mkstemp's 0600 would keep other users' runs from reading it
                 out.write(data)
                 out.flush()
                 os.fsync(out.fileno())
@@ -164,7 +165,8 @@ class CompileCache:
 
 def cache_counters() -> dict[str, int]:
     """This process's compile-cache hits and misses so far (inductor's FX graph cache, AOTAutograd's cache):
-    a warm start shows hits and no misses."""
+    a warm start shows FX graph hits and no FX graph misses (AOTAutograd may still miss a graph it does not
+    cache)."""
     from torch._dynamo.utils import counters
 
     return {name: int(counters[group][name]) for group, names in

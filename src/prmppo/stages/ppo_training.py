@@ -257,8 +257,9 @@ def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict,
                                   cfg.logger.console and ranks.is_main, save_cache).run(first, stop, built.start)
     keeper = built.keeper
     summary = _summary(trainer, ppo, history, keeper.alarms, keeper.pinned, built.start)
-    if cache is not None:  # what the compile cache gave this launch: what it loaded, the caches' hits and misses
-        summary["compile_cache"] = {"file": str(cache.path), "loaded": cache.loaded, **cache_counters()}
+    if ppo.compile:  # what this launch's compiles found: the artifacts' cache file, what it loaded, hits and misses
+        summary["compile_cache"] = {"file": None if cache is None else str(cache.path),
+                                    "loaded": {} if cache is None else cache.loaded, **cache_counters()}
     summary["band"] = band.summary() if band is not None else None
     if stopped:  # the worker is closed; the checkpoint just saved is where a relaunch continues
         summary.update(stopped=stopped, checkpoint=str(keeper.checkpoint))
