@@ -10,7 +10,9 @@ and peft versions, the device, the compiled model's config and parameter dtype, 
 (the policy's LoRA, a PRM's on the same base), and the run's compile-relevant settings (autocast,
 gradient checkpointing, ranks). The stage loads the file into the local caches before the first compiled
 forward and saves it after the first PPO iteration, by which point every graph of the run is compiled
-(ppo/batch.py); a save that would add nothing to what was loaded writes nothing.
+(ppo/batch.py); a save that would add nothing to what the file holds writes nothing. One save per
+process: torch (2.13) appends a second `save_cache_artifacts` blob to the first, and its reader keeps
+only the last part of each kind, so a second save would write a file without the first save's graphs.
 
 It changes no number: each artifact is found by inductor's and AOTAutograd's own keys (the graph, the
 inductor config, the versions, the device), so what it serves is the code a cold compile of that graph
@@ -90,7 +92,8 @@ class CompileCache:
         self.key = key
         self.path = Path(directory) / f"{key}.bin"
         self.loaded: dict[str, int] = {}  # artifacts loaded, per kind (inductor, aot_autograd, ...)
-        self._loaded_keys: set[tuple[str, str]] = set()
+        self._in_file: set[tuple[str, str]] = set()  # (kind, key) of the artifacts loaded from the file
+        self._saved = False
 
     def load(self) -> bool:
         """Put the file's artifacts into this process's compile caches; False (with a warning when the file
@@ -106,7 +109,7 @@ class CompileCache:
         except Exception as error:  # noqa: BLE001 - any unusable file means a cold compile, never a failed run
             log.warning("compile cache: ignoring %s (%s); compiling cold", self.path, error)
             return False
-        self._loaded_keys = {(kind, key) for kind, keys in info.artifacts.items() for key in keys}
+        self._in_file = {(kind, key) for kind, keys in info.artifacts.items() for key in keys}
         self.loaded = {kind: len(keys) for kind, keys in info.artifacts.items()}
         log.info("compile cache: loaded %s from %s", self.loaded, self.path)
         return True
@@ -125,16 +128,21 @@ class CompileCache:
         return payload
 
     def save(self) -> bool:
-        """Write every artifact this process compiled or used, unless they are all what `load` brought in;
-        True when the file was written. Written atomically (a temp file in the same directory, renamed)."""
+        """Write every artifact this process compiled or used, unless they all came from the file; True when
+        the file was written. Written atomically (a temp file in the same directory, renamed). Once per
+        process (the module docstring says why): a later call writes nothing."""
+        if self._saved:
+            log.info("compile cache: saved once by this process already; graphs compiled since are not kept")
+            return False
+        self._saved = True
         saved = torch.compiler.save_cache_artifacts()
         if saved is None:
             log.info("compile cache: nothing compiled, nothing to save")
             return False
         payload, info = saved
         keys = {(kind, key) for kind, kinds in info.artifacts.items() for key in kinds}
-        if keys <= self._loaded_keys:
-            log.info("compile cache: every artifact came from %s; left as it is", self.path)
+        if keys <= self._in_file:
+            log.info("compile cache: %s holds every artifact already; left as it is", self.path)
             return False
         header = json.dumps({"key": self.key, "sha256": hashlib.sha256(payload).hexdigest(),
                              "torch": torch.__version__}).encode()

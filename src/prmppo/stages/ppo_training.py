@@ -14,9 +14,9 @@ records the run's shape, reward, gates and the seconds each part of the start-up
 (models/compile_cache.py) is loaded before the engine-gap gate's first compiled forward and saved after
 the first iteration, so that a later run of the same shapes starts warm. The outer loop is
 `ppo/run.py` with the monitors (`guards/monitors.py`) and the checkpoint keeper (`ppo/checkpoint.py`);
-rank 0 alone owns the engine, metrics and banner. The final policy is saved as an HF-layout checkpoint (gathered to rank
-0 under several ranks). A coordinated stop saves, closes the worker, writes `stage_result.json`
-with `stopped` and raises `StopRequested` (exit 3).
+rank 0 alone owns the engine, metrics and banner. The final policy is saved as an HF-layout checkpoint
+(gathered to rank 0 under several ranks). A coordinated stop saves, closes the worker, writes
+`stage_result.json` with `stopped` and raises `StopRequested` (exit 3).
 
 Test accuracy during PPO: before the first iteration, every `eval.every` iterations and after the
 last, greedy and sampled accuracy and pass@k (k = `eval.during_ppo_k`) on the first
