@@ -301,8 +301,8 @@ def print_bound(results: dict) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for rows, bound in results["bound"].items():
         for side, fig in results["rows"][rows].items():
-            print(f"| {rows} | {bound['weight_gb']:.3f} | {bound['mean_context']:.1f} | {bound['kv_gb']:.3f} | "
-                  f"{bound['bandwidth_tbps']:.3f} | {bound['bound_tokens_per_s']:.0f} | {side} | "
+            print(f"| {rows} | {bound['weight_gb']:.4g} | {bound['mean_context']:.1f} | {bound['kv_gb']:.4g} | "
+                  f"{bound['bandwidth_tbps']:.4g} | {bound['bound_tokens_per_s']:.0f} | {side} | "
                   f"{fig['tokens_per_s']:.0f} | {fig['pct_of_bound']:.1f}% |")
 
 
