@@ -9,8 +9,8 @@ reference gate (the PRM must not move the reference), the in-process engine unde
 `rollout=inprocess` (no worker: it samples with the policy's model, PRM adapter and all, so it comes
 after them), and the pieces that differ between one process and N ranks, asked of the ranks object:
 the policy sharded (`ranks.shard_policy`), the weight sync and the checkpoint store
-(`ranks.weight_sync`, `ranks.checkpoints`). `banner.json` records the run's shape, reward, gates and the seconds each part of the start-up took
-(`startup_s`, `logger/laps.py`). With `ppo.compile`, the compile cache kept in the artifacts dir
+(`ranks.weight_sync`, `ranks.checkpoints`). `banner.json` records the run's shape, reward, gates
+and the seconds each part of the start-up took (`startup_s`, `logger/laps.py`). With `ppo.compile`, the compile cache kept in the artifacts dir
 (models/compile_cache.py) is loaded before the engine-gap gate's first compiled forward and saved after
 the first iteration, so that a later run of the same shapes starts warm. The outer loop is
 `ppo/run.py` with the monitors (`guards/monitors.py`) and the checkpoint keeper (`ppo/checkpoint.py`);
