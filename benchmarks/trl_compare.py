@@ -3,7 +3,8 @@
 One run, two sides, one after the other on the same machine:
 
 - prmppo: `python -m prmppo stage=ppo` with `ppo.advantage_estimator=grpo`, `lora=adapter`,
-  `arm=orm`, `sft.steps=0` (the model as given), its built-in engine (`rollout=hf`); the
+  `arm=orm`, `sft.steps=0` (the model as given), its built-in engine (`rollout=hf`, or
+  `--engine inprocess --sync none`: the engine in the trainer's process, one copy of the weights); the
   iteration time is the median of `perf/iteration_s` in its metrics.jsonl after the first
   iteration, with the split into generation, scoring, update and sync.
 - TRL: `trl.GRPOTrainer` with a peft `LoraConfig` of the same rank and modules, transformers
@@ -55,8 +56,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--gradient-checkpointing", default="off", choices=["on", "off"],
                         help="both sides: ppo.gradient_checkpointing / GRPOConfig.gradient_checkpointing "
                              "(TRL's own default is on)")
-    parser.add_argument("--sync", default="checkpoint", choices=["checkpoint", "adapter", "shared"],
-                        help="prmppo's rollout.sync")
+    parser.add_argument("--sync", default="checkpoint", choices=["checkpoint", "adapter", "shared", "none"],
+                        help="prmppo's rollout.sync (none: the only one --engine inprocess takes)")
+    parser.add_argument("--engine", default="hf", choices=["hf", "inprocess"],
+                        help="prmppo's rollout engine: hf (a worker process of its own) or inprocess (in the "
+                        "trainer's process, sampling with the trainer's own weights: one copy of them)")
     parser.add_argument("--prmppo-override", action="append", default=[], metavar="KEY=VALUE",
                         help="one more Hydra override of the prmppo side (repeatable), e.g. ppo.compile=true")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -91,7 +95,8 @@ def prmppo_overrides(args, run_dir: Path) -> list[str]:
         f"ppo.minibatch_rows={args.minibatch_rows}", f"ppo.micro_batch_rows={args.micro_rows}",
         f"ppo.kl_coef={args.kl}", f"ppo.lr={args.lr}", "eval.every=0", f"hydra.run.dir={run_dir.resolve()}",
         f"artifacts_dir={(run_dir / 'artifacts').resolve()}",
-        f"ppo.gradient_checkpointing={args.gradient_checkpointing == 'on'}", f"rollout.sync={args.sync}",
+        f"ppo.gradient_checkpointing={args.gradient_checkpointing == 'on'}", f"rollout={args.engine}",
+        f"rollout.sync={args.sync}",
         *args.prmppo_override,
     ]
 
@@ -240,7 +245,7 @@ def main(argv=None) -> int:
               f"{fig.get('update_s', float('nan')):.2f} | {memory} |")
     prm = results.get("prmppo")
     if prm is not None:
-        print(f"prmppo (rollout.sync={args.sync}): assemble {prm['assemble_s']:.2f} s, sync {prm['sync_s']:.2f} s, "
+        print(f"prmppo (rollout={args.engine}, rollout.sync={args.sync}): assemble {prm['assemble_s']:.2f} s, sync {prm['sync_s']:.2f} s, "
               f"first iteration {prm['first_iteration_s']:.2f} s; start-up (s) {prm['startup_s']}")
     if len(results) == 2:
         ratio = results["trl"]["iteration_s"] / results["prmppo"]["iteration_s"]

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The H200 figures of benchmarks/RESULTS.md ("One copy of the weights, no recompiles, start-up"), in one call
+# on a GPU machine, most important first; a step that would not finish in the time left is skipped and
+# says so in suite.log.
+#   bash benchmarks/gpu_suite.sh OUT_DIR GSM8K_DIR [BUDGET_S]        # default budget 570 s
+# Steps:
+#   models   the Qwen2-0.5B and Qwen2-7B shapes (scripts/make_shape_model.py; 7B initialised on the GPU)
+#   imports  the bare import of torch, transformers and peft, three fresh processes
+#   trl05    0.5B: prmppo (compiled layers, rollout=inprocess, micro-batches of 64) against TRL's
+#            GRPOTrainer, both gradient-checkpointed, 5 iterations each (the median of iterations 2-5),
+#            TORCH_LOGS=recompiles on, so that a compile after the first iteration shows in the log
+#   gen05    0.5B generation at 256 rows against the decode step's memory-bandwidth bound (gpu_bench.py)
+#   gen7b    the same at the 7B shape
+#   warm05   the prmppo side of trl05 again, 2 iterations, with empty local inductor and triton caches and
+#            trl05's artifacts dir: the start-up when the compile cache kept with the artifacts is warm
+#   eager05  the prmppo side without compiled layers, 2 iterations: the start-up without compile
+#   p7b      7B: the prmppo side alone (rollout=inprocess, eager, micro-batches of 32, checkpointed), 3 iterations
+# Writes OUT_DIR/suite.log and OUT_DIR/suite.tar.gz (each step's log, figures.json / gpu_bench.json, and the
+# small files of every run dir: no weights, no compile caches).
+set -u
+T0=$(date +%s)
+OUT=$1
+DATA=$(cd "$2" && pwd)
+BUDGET=${3:-570}
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+WORK=${SUITE_WORK:-/tmp/gpu_suite}
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$HERE/src PYTHONUNBUFFERED=1
+mkdir -p "$WORK" "$OUT"
+cd "$HERE"
+
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+log() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/suite.log"; }
+# step NAME SECONDS_IT_NEEDS COMMAND...: run it if that many seconds are left, its output in WORK/NAME.log
+step() {
+  local name=$1 need=$2
+  shift 2
+  if [ "$(left)" -lt "$need" ]; then
+    log "$name: skipped ($(left) s left, it needs about $need)"
+    return 1
+  fi
+  log "$name: start"
+  if declare -F "$1" > /dev/null; then
+    "$@" > "$WORK/$name.log" 2>&1  # a function of this script (short: no time limit of its own)
+  else
+    timeout --signal=TERM --kill-after=10 $(( $(left) - 15 )) "$@" > "$WORK/$name.log" 2>&1
+  fi
+  local rc=$?
+  log "$name: rc=$rc"
+  return $rc
+}
+
+{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc;
+  python3 -c "import torch,transformers,peft;print('torch',torch.__version__,'transformers',transformers.__version__,'peft',peft.__version__)";
+  python3 -c "import trl;print('trl',trl.__version__)"; git -C "$HERE" rev-parse HEAD 2> /dev/null; } >> "$OUT/suite.log" 2>&1
+
+models() {
+  python3 scripts/make_shape_model.py --out "$WORK/q05" --data-dir "$DATA" &
+  local small=$!
+  python3 scripts/make_shape_model.py --out "$WORK/q7b" --shape qwen2-7b --device cuda --data-dir "$DATA"
+  local rc=$?
+  wait $small && return $rc
+}
+imports() {
+  for i in 1 2 3; do
+    local t=$(date +%s%N)
+    python3 -c "import torch, transformers, peft"
+    echo "bare import $i: $(( ($(date +%s%N) - t) / 1000000 )) ms"
+  done
+}
+COMPILED=(--prmppo-override ppo.compile=true --prmppo-override ppo.compile_cache=true)
+SHAPE05=(--model "$WORK/q05" --data-dir "$DATA" --gradient-checkpointing on --engine inprocess --sync none
+         --prmppo-override ppo.micro_batch_rows=64)
+
+step models 120 models || { log "models failed"; }
+step imports 40 imports
+TORCH_LOGS=recompiles step trl05 280 python3 benchmarks/trl_compare.py "${SHAPE05[@]}" "${COMPILED[@]}" \
+  --iterations 5 --sides prmppo,trl --out "$WORK/trl05"
+step gen05 50 python3 benchmarks/gpu_bench.py --model "$WORK/q05" --data-dir "$DATA" --rows 256 --decode static \
+  --repeats 2 --out "$WORK/gen05"
+step gen7b 110 python3 benchmarks/gpu_bench.py --model "$WORK/q7b" --data-dir "$DATA" --rows 256 --decode static \
+  --repeats 1 --out "$WORK/gen7b"
+mkdir -p "$WORK/warm_inductor" "$WORK/warm_triton"
+TORCHINDUCTOR_CACHE_DIR=$WORK/warm_inductor TRITON_CACHE_DIR=$WORK/warm_triton TORCH_LOGS=recompiles \
+  step warm05 90 python3 benchmarks/trl_compare.py "${SHAPE05[@]}" "${COMPILED[@]}" --iterations 2 --sides prmppo \
+  --prmppo-override "artifacts_dir=$WORK/trl05/prmppo/artifacts" --out "$WORK/warm05"
+step eager05 60 python3 benchmarks/trl_compare.py "${SHAPE05[@]}" --iterations 2 --sides prmppo --out "$WORK/eager05"
+step p7b 150 python3 benchmarks/trl_compare.py --model "$WORK/q7b" --data-dir "$DATA" --gradient-checkpointing on \
+  --engine inprocess --sync none --micro-rows 32 --iterations 3 --sides prmppo --out "$WORK/p7b"
+
+cd "$WORK"
+find . \( -name artifacts -o -name 'q05' -o -name 'q7b' -o -name 'warm_*' -o -name checkpoints \) -prune -o \
+  -type f -size -5M -print0 | tar czf "$OUT/suite.tar.gz" --null -T -
+log "done"
