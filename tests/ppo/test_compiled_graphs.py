@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
 import torch
 from omegaconf import OmegaConf
 
@@ -66,9 +65,7 @@ class RandomLengthEngine:
                              0.0, 0.0)
 
 
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
-def test_compiled_layers_run_one_graph_per_pass_kind_and_none_after_the_first_iteration(monkeypatch, tmp_path,
-                                                                                         checkpointing):
+def test_compiled_layers_run_one_graph_per_pass_kind_and_none_after_the_first_iteration(monkeypatch, tmp_path):
     torch._dynamo.reset()
     task = ArithTask(seed=0, train_size=40, test_size=10)
     tokenizer = build_char_tokenizer(task.alphabet())
@@ -86,8 +83,7 @@ def test_compiled_layers_run_one_graph_per_pass_kind_and_none_after_the_first_it
     ppo = OmegaConf.to_object(compose_config([
         "debug=smoke", "ppo.compile=true", "ppo.advantage_estimator=gae", "ppo.iterations=4",
         "ppo.prompts_per_iteration=4", "ppo.n_samples_per_prompt=4", "ppo.minibatch_rows=8",
-        "ppo.micro_batch_rows=2", "ppo.max_new_tokens=24", "ppo.warmup_steps=0",
-        f"ppo.gradient_checkpointing={checkpointing}"]).ppo)
+        "ppo.micro_batch_rows=2", "ppo.max_new_tokens=24", "ppo.warmup_steps=0"]).ppo)
     trainer = PPOTrainer(policy=policy, tokenizer=tokenizer, task=task, reward=ProcessReward(step_scorer=scorer),
                          engine=RandomLengthEngine(tokenizer),
                          sync=SimpleNamespace(served=WeightsSpec("base", None, 0), maybe_sync=lambda *_: False),
