@@ -240,22 +240,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def recorded_eval(found: dict[str, tuple[Path, dict]]) -> dict[str, dict[str, float]]:
+    """{PRM name: the step accuracies, first-error F1 and best-of-N its PRM stage recorded (artifact.json)}."""
+    kept = ("step_accuracy", "step_accuracy_right_steps", "step_accuracy_wrong_steps", "first_error_f1")
+    return {name: {k: v for k, v in found[name][1]["summary"]["eval"].items() if k.startswith("bon/") or k in kept}
+            for name in PRMS}
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     artifacts_dir = args.artifacts_dir.resolve()
     found = find_artifacts(artifacts_dir, args.seeds)  # 1. every seed's inputs, before any sampling
-    per_seed = {seed: run_seed(seed, found[seed], artifacts_dir, args.noise_draws) for seed in args.seeds}
-    recorded = {seed: {name: found[seed][name][1]["summary"]["eval"] for name in PRMS} for seed in args.seeds}
-    result = {"command": shlex.join(["python", *sys.argv]) if argv is None else shlex.join(argv),
-              "artifacts": {seed: {name: f"{record['stage']}-{record['key']}" for name, (_, record) in found[seed].items()}
+    per_seed = {seed: run_seed(seed, found[seed], artifacts_dir, args.noise_draws) for seed in args.seeds}  # 2-3
+    recorded = {seed: recorded_eval(found[seed]) for seed in args.seeds}
+    result = {"command": shlex.join(["python", *sys.argv] if argv is None else argv),
+              "artifacts": {seed: {name: f"{r['stage']}-{r['key']}" for name, (_, r) in found[seed].items()}
                             for seed in args.seeds},
               "sampling": {"sampler": "PolicySampler", "temperature": 1.0,
                            "seed": "random.Random(f'{seed}-oracle-best-of-n').getrandbits(63)"},
-              "noise_draws": args.noise_draws,
-              "recorded_by_prm_stage": {seed: {name: {k: v for k, v in ev.items() if k.startswith("bon/")
-                                                      or k.startswith("step_accuracy") or k == "first_error_f1"}
-                                               for name, ev in recorded[seed].items()} for seed in args.seeds},
-              "per_seed": per_seed, "table": table(per_seed, recorded)}
+              "noise_draws": args.noise_draws, "recorded_by_prm_stage": recorded, "per_seed": per_seed,
+              "table": table(per_seed, recorded)}
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     print(result["table"])
