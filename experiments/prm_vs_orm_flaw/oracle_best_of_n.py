@@ -206,8 +206,8 @@ def run_seed(seed: int, found: dict[str, tuple[Path, dict]], artifacts_dir: Path
 
 
 def table(per_seed: dict[int, dict], recorded: dict[int, dict]) -> str:
-    """Markdown: one row per scorer, mean ± 95% t half-width over the seeds; then the checker-labelled PRM's
-    best-of-N here against the PRM stage's recorded figure."""
+    """Markdown: one row per scorer, mean ± 95% t half-width over the seeds; then each learned PRM's best-of-N
+    (`min`) here against the one its PRM stage recorded."""
     seeds = sorted(per_seed)
     span = f"{seeds[0]}-{seeds[-1]}" if seeds == list(range(seeds[0], seeds[-1] + 1)) else ",".join(map(str, seeds))
     lines = ["| scorer | what | seeds | N | " + " | ".join(label for _, label in COLUMNS) + " |",
