@@ -1,6 +1,6 @@
 """Best-of-N of the oracle PRM and the noisy oracles on the SFT policy's samples, beside the learned PRMs.
 
-    nice -n 10 python experiments/prm_vs_orm_flaw/oracle_best_of_n.py ARTIFACTS_DIR \
+    python experiments/prm_vs_orm_flaw/oracle_best_of_n.py ARTIFACTS_DIR \
         --out experiments/prm_vs_orm_flaw/oracle_best_of_n.json
 
 The PRM stage evaluates each learned PRM (held-out step accuracy, best-of-N reranking of the SFT policy's
