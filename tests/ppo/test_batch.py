@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
+from torch._dynamo.testing import CompileCounter
 
-from prmppo.ppo.batch import collate, length_buckets, trim_columns
+from prmppo.ppo.batch import TrainBatch, collate, length_buckets, trim_columns
 
 
 def _rows():
@@ -95,3 +96,32 @@ def test_a_token_budget_counts_the_widened_cut():
     # widths of 4s: [3, 1] 2 x 4; + 2 is 3 x 8 = 24; [2, 0] would be 2 x 8 = 16 > 12
     assert [b.tolist() for b in length_buckets(att, mask, rows_per_bucket=4, max_tokens=12, multiple=4)] == [
         [3, 1], [2], [0]]
+
+
+def _train_batch():
+    ids, att, pos, resp, mask, plen = _rows()
+    zeros = torch.zeros(resp.shape)
+    return TrainBatch(ids, att, pos, resp, mask, zeros, zeros, zeros, zeros, zeros, plen)
+
+
+def test_a_trimmed_micro_batch_hands_the_layers_contiguous_rows_and_compiles_no_second_graph():
+    # a column cut of a wider batch is a view (row stride: the full width); a compiled layer's graph from a
+    # contiguous pass (the no-grad passes copy their rows to the device) guards on position_ids' row stride being
+    # the width, so a view would compile another graph in the middle of the first update
+    train = _train_batch()
+    rows = torch.tensor([1, 2])
+    cut = trim_columns(train.attention_mask[rows], train.response_mask[rows], train.prompt_length)
+    part = train.rows(rows).trimmed(cut)
+    assert part.input_ids.shape[1] < train.input_ids.shape[1]  # the cut dropped columns
+    for name in ("input_ids", "attention_mask", "position_ids"):
+        assert getattr(part, name).is_contiguous(), name
+
+    counter = CompileCounter()
+    layer = torch.compile(lambda hidden, position_ids: hidden * position_ids[..., None].float().cos(),
+                          backend=counter, dynamic=True)
+    torch._dynamo.reset()
+    first = train.rows(torch.tensor([0, 3])).trimmed()  # another width, contiguous as a no-grad pass's rows are
+    layer(torch.ones(*first.position_ids.shape, 4), first.position_ids.clone())
+    layer(torch.ones(*part.position_ids.shape, 4), part.position_ids)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()

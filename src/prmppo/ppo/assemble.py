@@ -79,8 +79,9 @@ class AssembleSteps:
         dev, ppo = self.device, self.ppo
         columns, width, plen = trim_columns(batch.attention_mask[rows], response_mask[rows], batch.prompt_length,
                                             self.width_multiple)
-        ids, att, pos = (t[rows][:, columns].to(dev) for t in (batch.input_ids, batch.attention_mask,
-                                                              batch.position_ids))
+        # contiguous rows on every device, as the update's micro-batches are (`TrainBatch.trimmed` says why)
+        ids, att, pos = (t[rows][:, columns].to(dev).contiguous() for t in (batch.input_ids, batch.attention_mask,
+                                                                           batch.position_ids))
         response_ids, micro_mask = (t[rows, :width].to(dev) for t in (batch.response_ids, response_mask))
         with self._precision():
             # compiled layers: the policy's scores come from the graph the update's forward runs (grad mode),

@@ -91,7 +91,10 @@ class TrainBatch:
         columns, width, prompt_length = cut or trim_columns(self.attention_mask, self.response_mask,
                                                             self.prompt_length, multiple)
         picked = {f.name: getattr(self, f.name) for f in fields(self)}
-        out = {k: v[:, columns] if k in ("input_ids", "attention_mask", "position_ids") else v[:, :width]
+        # the layers' inputs as contiguous rows: a column cut is a view whose row stride is the full width, and a
+        # compiled layer's graph guards on `position_ids.stride(0) == width` (the no-grad passes, copied to the
+        # device, are contiguous), so a view would compile another graph in the first update
+        out = {k: v[:, columns].contiguous() if k in ("input_ids", "attention_mask", "position_ids") else v[:, :width]
                for k, v in picked.items() if isinstance(v, Tensor)}
         return TrainBatch(**out, prompt_length=prompt_length)
 
