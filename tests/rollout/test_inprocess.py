@@ -47,9 +47,9 @@ def lora_policy(base_dir, dropout: float = 0.0) -> LoraPolicy:
     return policy
 
 
-def in_process_engine(model: nn.Module, decode: str = "static"):
+def in_process_engine(model: nn.Module, decode: str = "static", merge: bool = True):
     """The engine as a run builds it: from the real `rollout=inprocess` config node."""
-    node = compose_config(["rollout=inprocess", f"rollout.decode={decode}"]).rollout
+    node = compose_config(["rollout=inprocess", f"rollout.decode={decode}", f"rollout.merge_adapter={merge}"]).rollout
     return build(node, "rollout engine", spool_dir="unused", base_model_dir="unused", log_path="unused",
                  device="cpu", dtype="float32", lora_rank=4, seed=0, model=model)
 
@@ -73,15 +73,16 @@ def base_dir(tmp_path_factory):
 
 
 # top_p 1e-6 keeps only each step's most likely token: the greedy path
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "branches"])
 @pytest.mark.parametrize("top_p", [1.0, 1e-6], ids=["sampled", "greedy"])
 @pytest.mark.parametrize("decode", ["static", "dynamic"])
 def test_lora_policy_samples_what_the_worker_engine_samples_from_the_synced_adapter(base_dir, tmp_path, decode,
-                                                                                     top_p):
+                                                                                     top_p, merge):
     policy = lora_policy(base_dir)
     worker = HFEngine(base_dir, decode=decode)
     worker.load_weights(WeightsSpec(kind="adapter", path=str(policy.save_adapter(tmp_path / "adapter")), version=1))
     base_tokens, _, _ = worker_engine_output(HFEngine(base_dir, decode=decode), request(top_p=top_p))
-    engine = in_process_engine(policy.model, decode)
+    engine = in_process_engine(policy.model, decode, merge)
     for seed in (3, 4):
         req = request(seed, top_p)
         want_tokens, want_logprobs, want_reasons = worker_engine_output(worker, req)
@@ -89,6 +90,7 @@ def test_lora_policy_samples_what_the_worker_engine_samples_from_the_synced_adap
         assert engine.decode_info["loop"] == decode  # the static loop runs the peft model, no silent fallback
         assert got.token_ids == want_tokens and got.finish_reasons == want_reasons
         assert got.weights == req.weights and engine.served_weights == req.weights
+        assert engine.last_merged == (3 * 2 if merge else 0)  # q, v and down of both layers, or none
         # the worker merged W + B A into its weights, the policy adds B (A x): equal up to float rounding
         for got_row, want_row in zip(got.logprobs, want_logprobs):
             assert got_row == pytest.approx(want_row, abs=1e-5)
@@ -149,9 +151,9 @@ class ParametersRead(torch.overrides.TorchFunctionMode):
 
 
 @pytest.mark.parametrize("decode", ["static", "dynamic"])
-def test_engine_reads_the_trainers_own_weights_and_copies_none(base_dir, decode):
+def test_unmerged_engine_reads_the_trainers_own_weights_and_copies_none(base_dir, decode):
     policy = lora_policy(base_dir)
-    engine = in_process_engine(policy.model, decode)
+    engine = in_process_engine(policy.model, decode, merge=False)
     parameters = dict(policy.model.named_parameters())
     storage_before = {name: p.data_ptr() for name, p in parameters.items()}
     with ParametersRead() as reads, WeightShapedTensors(list(parameters.values())) as copies:
@@ -169,6 +171,56 @@ def test_engine_reads_the_trainers_own_weights_and_copies_none(base_dir, decode)
     assert any(".modules_to_save.policy." in name for name in names)  # the trained norm, not the original
     assert not any(".original_module." in name for name in names)
     assert copies.found == [], f"weight-sized tensors made while sampling: {copies.found[:5]}"
+
+
+@pytest.mark.parametrize("decode", ["static", "dynamic"])
+def test_merged_engine_runs_no_lora_branch_and_puts_every_weight_back(base_dir, decode):
+    policy = lora_policy(base_dir)
+    engine = in_process_engine(policy.model, decode)
+    parameters = dict(policy.model.named_parameters())
+    before = {name: (p.data_ptr(), p.detach().clone()) for name, p in parameters.items()}
+    switches = {name: m._disable_adapters for name, m in policy.model.named_modules() if hasattr(m, "lora_A")}
+    branch_calls = []  # the LoRA factors' own forwards (the merge reads their weights, it calls no factor)
+    for name, module in policy.model.named_modules():
+        if ".lora_A." in name or ".lora_B." in name:
+            module.register_forward_hook(lambda module, args, out: branch_calls.append(module))
+    with ParametersRead() as reads:
+        engine.generate(request())
+    names = {name for name, p in parameters.items() if id(p) in {id(p) for p in reads.read}}
+    assert engine.last_merged == 6 and branch_calls == []  # one matmul per linear
+    assert any(name.endswith("q_proj.base_layer.weight") for name in names)  # its tensor swapped for the merged
+    assert any(".modules_to_save.policy." in name for name in names)  # the trained norm still serves
+    for name, p in policy.model.named_parameters():  # the trainer's own tensors, bit for bit
+        assert p.data_ptr() == before[name][0] and torch.equal(p, before[name][1]), name
+    assert {name: m._disable_adapters for name, m in policy.model.named_modules() if hasattr(m, "lora_A")} == switches
+    assert len(switches) == 6 and not any(switches.values())
+
+
+def test_a_failed_merged_request_still_puts_every_weight_back(base_dir):
+    policy = lora_policy(base_dir)
+    engine = in_process_engine(policy.model)
+    before = {name: p.data_ptr() for name, p in policy.model.named_parameters()}
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    engine._sampler.generate = broken
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.generate(request())
+    assert {name: p.data_ptr() for name, p in policy.model.named_parameters()} == before
+    assert not any(m._disable_adapters for m in policy.model.modules() if hasattr(m, "lora_A"))
+
+
+def test_an_adapter_that_cannot_merge_samples_through_its_branches(base_dir, caplog):
+    policy = lora_policy(base_dir)
+    layer = next(m for m in policy.model.modules() if hasattr(m, "lora_A"))
+    layer.fan_in_fan_out = True  # a layout the merge does not handle: every layer stays unmerged
+    engine = in_process_engine(policy.model)
+    with caplog.at_level("WARNING"):
+        got = engine.generate(request())
+    assert engine.last_merged == 0 and "unmerged (a LoRA bias, fan_in_fan_out" in caplog.text
+    layer.fan_in_fan_out = False
+    assert got.token_ids == in_process_engine(policy.model, merge=False).generate(request()).token_ids
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])

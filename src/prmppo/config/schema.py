@@ -273,12 +273,16 @@ class RolloutConfig:
 @dataclass
 class InProcessRolloutConfig(RolloutConfig):
     # the engine in the trainer's process, sampling with the trainer's own policy model: no worker, no
-    # second copy of the weights (`rollout/inprocess.py`); of the keys above it reads `decode` only
+    # second copy of the weights (`rollout/inprocess.py`); of the keys above it reads `decode` only, and it adds
     _target_: str = "prmppo.rollout.inprocess.InProcessEngine"
     engine: str = "inprocess"
     # none: the engine sees the trainer's weights as they are (nothing to ship); it must be, with
     # sync_every_iterations 1
     sync: str = "none"
+    # LoRA: each request samples with W + scale * B A swapped in for every adapted base weight (a transient
+    # copy, freed before the update; ~12 GiB at the 7B shape) and the LoRA branches off: one matmul per linear
+    # on every decode step instead of three. false: the branches run as they are, no copy
+    merge_adapter: bool = True
 
 
 # --------------------------------------------------------------------------- topology

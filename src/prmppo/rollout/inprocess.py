@@ -18,6 +18,18 @@ Weight sync: none (`rollout.sync=none`, `ppo/sync.py`): the engine reads the wei
 has just written; a push only advances the version the next request names ("live" weights), so
 `rollout.sync_every_iterations` must be 1 (sampling with older weights would need a copy of them).
 
+Merged adapter (`rollout.merge_adapter`, default true; LoRA only): for each request every LoRA
+linear's base weight is swapped, for the request alone, for W + scale * B A (computed in fp32, stored in
+the weights' dtype), and its LoRA branch is switched off, so a decode step runs one matmul per linear
+instead of three (the factors' two small ones are kernel launches that a small model's launch-bound
+step pays for on every token). The merged tensors are a transient copy of the adapted weights (at the
+7B shape about 12 GiB, held while the request runs, freed before the update); the trainer's tensors are
+untouched and back in place when the request returns, or fails. The samples are those of the merged
+weights that `rollout.sync=shared` serves a worker: equal to the unmerged forward up to rounding (the
+trainer recomputes every logprob PPO uses). Adapters that are not plain LoRA on `nn.Linear` (DoRA,
+LoRA biases, `fan_in_fan_out`) are never merged: the request then runs the LoRA branches, with a
+warning. `rollout.merge_adapter=false` keeps the branches always: no transient copy.
+
 Sampling: `decoding.Decoding`, the loop of the worker's engine (static KV cache, CUDA graphs on
 CUDA, grouped decode attention), under `torch.no_grad` with every module in eval mode, each
 module's own training flag put back afterwards (the policy keeps its gradient-checkpointed layers
@@ -39,6 +51,7 @@ Run the tests: `PYTHONPATH=src pytest tests/rollout/test_inprocess.py -q`.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 
 import torch
@@ -46,6 +59,8 @@ from torch import nn
 
 from prmppo.rollout.decoding import Decoding
 from prmppo.rollout.protocol import RolloutRequest, RolloutResult, RolloutWorkerError, WeightsSpec
+
+LOG = logging.getLogger(__name__)
 
 ENGINE = "inprocess"  # its `rollout.engine` name
 SERVED_KINDS = ("base", "live")  # the model as handed over, or the trainer's weights as they are now
@@ -60,7 +75,7 @@ class InProcessEngine:
     def __init__(self, engine: str, python: str, sync: str, sync_every_iterations: int, startup_timeout_s: float,
                  request_timeout_s: float, heartbeat_timeout_s: float, gpu_memory_utilization: float,
                  decode: str, standby: bool, *, model: nn.Module, spool_dir=None, base_model_dir=None, log_path=None,
-                 device=None, dtype=None, lora_rank=None, seed=None) -> None:
+                 device=None, dtype=None, lora_rank=None, seed=None, merge_adapter: bool = True) -> None:
         # the worker's keys (its interpreter, timeouts, memory share, standby) and the arguments a run gives a
         # worker (spool, base checkpoint, log, engine device, dtype, LoRA rank, seed) mean nothing here: the
         # engine runs in this process, on the device and in the dtype `model` has
@@ -76,6 +91,10 @@ class InProcessEngine:
         # forward takes the KV cache (peft's own forward would hide it from the static decoder)
         self._causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
         self._adapter = getattr(model, "active_adapter", None)  # the policy's, when the engine is built
+        if not isinstance(merge_adapter, bool):
+            raise ValueError(f"rollout.merge_adapter={merge_adapter!r} must be true or false")
+        self.merge_adapter = merge_adapter
+        self.last_merged = 0  # LoRA linears the last request ran merged
         self._sampler = Decoding(decode)
         self._served: WeightsSpec | None = None
 
@@ -123,7 +142,9 @@ class InProcessEngine:
         device = next(self.model.parameters()).device
         start = time.perf_counter()
         try:
-            with torch.no_grad(), _eval_mode(self.model), _eager_layers(self.model):
+            with torch.no_grad(), _eval_mode(self.model), _eager_layers(self.model), \
+                    _merged_adapter(self.model, self._adapter, self.merge_adapter) as merged:
+                self.last_merged = merged
                 token_ids, logprobs, finish_reasons = self._sampler.generate(
                     self._causal_lm, device, request.prompt_token_ids, request.n_samples_per_prompt,
                     request.max_new_tokens, request.temperature, request.top_p, request.seed,
@@ -159,3 +180,53 @@ def _eager_layers(model: nn.Module):
     finally:
         for module, call in compiled:
             module._compiled_call_impl = call
+
+
+def _lora_linears(model: nn.Module) -> list:
+    """The model's peft LoRA layers (any kind), in module order."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # no peft: no adapters
+        return []
+    return [module for module in model.modules() if isinstance(module, LoraLayer)]
+
+
+def _merge_refusal(layer, adapter: str) -> str | None:
+    """Why `layer` cannot run `adapter` merged into a transient base weight; None when it can."""
+    from peft.tuners.lora.layer import Linear
+
+    if not isinstance(layer, Linear) or not isinstance(layer.get_base_layer(), nn.Linear):
+        return f"{type(layer).__name__} is not a LoRA nn.Linear"
+    if adapter in layer.lora_variant or layer.use_dora.get(adapter, False):
+        return "a LoRA variant (DoRA and the like)"
+    if layer.lora_bias.get(adapter, False) or layer.fan_in_fan_out or layer.merged:
+        return "a LoRA bias, fan_in_fan_out or an adapter merged already"
+    if list(layer.active_adapters) != [adapter]:
+        return f"active adapters {list(layer.active_adapters)}"
+    return None
+
+
+@contextlib.contextmanager
+def _merged_adapter(model: nn.Module, adapter: str | None, enabled: bool):
+    """For the block, every LoRA linear of `model` computes base(x) with W + scale * B A as its base weight
+    and its LoRA branch off; yields how many linears were merged (0: the branches run as they are). Each
+    base weight's own tensor and each layer's switch are put back on the way out, whatever happens inside."""
+    layers = _lora_linears(model) if enabled and adapter is not None else []
+    refusals = {reason for reason in (_merge_refusal(layer, adapter) for layer in layers) if reason}
+    if refusals:
+        LOG.warning("rollout.merge_adapter: sampling with the LoRA branches unmerged (%s)", "; ".join(sorted(refusals)))
+        layers = []
+    swapped = []  # (base weight, its own tensor, the layer, its switch)
+    try:
+        for layer in layers:
+            weight = layer.get_base_layer().weight
+            lora_a, lora_b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+            merged = torch.addmm(weight.float(), lora_b.float(), lora_a.float(), alpha=layer.scaling[adapter])
+            swapped.append((weight, weight.data, layer, layer._disable_adapters))
+            weight.data = merged.to(weight.dtype)
+            layer._disable_adapters = True
+        yield len(swapped)
+    finally:
+        for weight, own, layer, switch in reversed(swapped):
+            weight.data = own
+            layer._disable_adapters = switch
