@@ -2,7 +2,9 @@
 # The H200 figures of benchmarks/RESULTS.md ("One copy of the weights, no recompiles, start-up"), in one call
 # on a GPU machine, most important first; a step that would not finish in the time left is skipped and
 # says so in suite.log.
-#   bash benchmarks/gpu_suite.sh OUT_DIR GSM8K_DIR [BUDGET_S]        # default budget 570 s
+#   bash benchmarks/gpu_suite.sh OUT_DIR GSM8K_DIR [BUDGET_S] [STEPS]   # default budget 570 s, every step
+# STEPS: a comma-separated list of the steps below to run (e.g. models05,imports,trl05,warm05); models makes
+# both shapes, models05 the 0.5B one alone.
 # Steps:
 #   models   the Qwen2-0.5B and Qwen2-7B shapes (scripts/make_shape_model.py; 7B initialised on the GPU)
 #   imports  the bare import of torch, transformers and peft, three fresh processes
@@ -14,6 +16,9 @@
 #   warm05   the prmppo side of trl05 again, 2 iterations, with empty local inductor and triton caches and
 #            trl05's artifacts dir: the start-up when the compile cache kept with the artifacts is warm
 #   eager05  the prmppo side without compiled layers, 2 iterations: the start-up without compile
+#   nomerge05 the prmppo side of trl05 with rollout.merge_adapter=false (the LoRA branches run in every decode
+#            step), 5 iterations, the local compile caches trl05 left
+#   mfu05    the update alone (gpu_update_bench.py: LoRA r 16 on every linear, compiled layers): its MFU
 #   p7b      7B: the prmppo side alone (rollout=inprocess, eager, micro-batches of 32, checkpointed), 3 iterations
 # Writes OUT_DIR/suite.log and OUT_DIR/suite.tar.gz (each step's log, figures.json / gpu_bench.json, and the
 # small files of every run dir: no weights, no compile caches).
@@ -22,6 +27,7 @@ T0=$(date +%s)
 OUT=$1
 DATA=$(cd "$2" && pwd)
 BUDGET=${3:-570}
+STEPS=${4:-models,imports,trl05,gen05,gen7b,warm05,eager05,nomerge05,mfu05,p7b}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${SUITE_WORK:-/tmp/gpu_suite}
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$HERE/src PYTHONUNBUFFERED=1
@@ -34,6 +40,7 @@ log() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/suite.log"; }
 step() {
   local name=$1 need=$2
   shift 2
+  case ",$STEPS," in *",$name,"*) ;; *) return 0 ;; esac
   if [ "$(left)" -lt "$need" ]; then
     log "$name: skipped ($(left) s left, it needs about $need)"
     return 1
@@ -71,7 +78,10 @@ COMPILED=(--prmppo-override ppo.compile=true --prmppo-override ppo.compile_cache
 SHAPE05=(--model "$WORK/q05" --data-dir "$DATA" --gradient-checkpointing on --engine inprocess --sync none
          --prmppo-override ppo.micro_batch_rows=64)
 
+models05() { python3 scripts/make_shape_model.py --out "$WORK/q05" --data-dir "$DATA"; }
+
 step models 120 models || { log "models failed"; }
+step models05 60 models05 || { log "models05 failed"; }
 step imports 40 imports
 TORCH_LOGS=recompiles step trl05 280 python3 benchmarks/trl_compare.py "${SHAPE05[@]}" "${COMPILED[@]}" \
   --iterations 5 --sides prmppo,trl --out "$WORK/trl05"
@@ -84,6 +94,9 @@ TORCHINDUCTOR_CACHE_DIR=$WORK/warm_inductor TRITON_CACHE_DIR=$WORK/warm_triton T
   step warm05 90 python3 benchmarks/trl_compare.py "${SHAPE05[@]}" "${COMPILED[@]}" --iterations 2 --sides prmppo \
   --prmppo-override "artifacts_dir=$WORK/trl05/prmppo/artifacts" --out "$WORK/warm05"
 step eager05 60 python3 benchmarks/trl_compare.py "${SHAPE05[@]}" --iterations 2 --sides prmppo --out "$WORK/eager05"
+TORCH_LOGS=recompiles step nomerge05 100 python3 benchmarks/trl_compare.py "${SHAPE05[@]}" "${COMPILED[@]}" \
+  --prmppo-override rollout.merge_adapter=false --iterations 5 --sides prmppo --out "$WORK/nomerge05"
+step mfu05 90 python3 benchmarks/gpu_update_bench.py --model "$WORK/q05" --lora --compile
 step p7b 150 python3 benchmarks/trl_compare.py --model "$WORK/q7b" --data-dir "$DATA" --gradient-checkpointing on \
   --engine inprocess --sync none --micro-rows 32 --iterations 3 --sides prmppo --out "$WORK/p7b"
 

@@ -172,11 +172,12 @@ class CompileCache:
 
 
 def cache_counters() -> dict[str, int]:
-    """This process's compile-cache hits and misses so far (inductor's FX graph cache, AOTAutograd's cache):
-    a warm start shows FX graph hits and no FX graph misses (AOTAutograd may still miss a graph it does not
-    cache)."""
+    """This process's compile-cache hits, misses and bypasses so far (inductor's FX graph cache, AOTAutograd's
+    cache): a warm start shows FX graph hits and no FX graph misses (AOTAutograd may still miss a graph it does
+    not cache); a bypass is a graph the cache would not take at all, which every run compiles cold."""
     from torch._dynamo.utils import counters
 
     return {name: int(counters[group][name]) for group, names in
-            (("inductor", ("fxgraph_cache_hit", "fxgraph_cache_miss")),
-             ("aot_autograd", ("autograd_cache_hit", "autograd_cache_miss"))) for name in names}
+            (("inductor", ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")),
+             ("aot_autograd", ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass")))
+            for name in names}

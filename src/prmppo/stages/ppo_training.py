@@ -260,6 +260,8 @@ def train_ppo(cfg: DictConfig, task, base_dir: Path, run_dir: Path, gates: dict,
     if ppo.compile:  # what this launch's compiles found: the artifacts' cache file, what it loaded, hits and misses
         summary["compile_cache"] = {"file": None if cache is None else str(cache.path),
                                     "loaded": {} if cache is None else cache.loaded, **cache_counters()}
+        log.info("compile seconds by phase, summed over graphs (torch._dynamo.utils.compile_times):\n%s",
+                 torch._dynamo.utils.compile_times(repr="str", aggregate=True))
     summary["band"] = band.summary() if band is not None else None
     if stopped:  # the worker is closed; the checkpoint just saved is where a relaunch continues
         summary.update(stopped=stopped, checkpoint=str(keeper.checkpoint))
