@@ -10,7 +10,8 @@
 #   imports  the bare import of torch, transformers and peft, three fresh processes
 #   trl05    0.5B: prmppo (compiled layers, rollout=inprocess, micro-batches of 64) against TRL's
 #            GRPOTrainer, both gradient-checkpointed, 5 iterations each (the median of iterations 2-5),
-#            TORCH_LOGS=recompiles on, so that a compile after the first iteration shows in the log
+#            TORCH_LOGS=$CACHE_LOGS, so that a compile after the first iteration, and each graph's cache
+#            outcome, show in the log
 #   gen05    0.5B generation at 256 rows against the decode step's memory-bandwidth bound (gpu_bench.py)
 #   gen7b    the same at the 7B shape
 #   warm05   the prmppo side of trl05 again, 2 iterations, with empty local inductor and triton caches and
@@ -74,6 +75,8 @@ imports() {
     echo "bare import $i: $(( ($(date +%s%N) - t) / 1000000 )) ms"
   done
 }
+# recompiles, dynamo's tracing steps and restarts, and each graph's AOTAutograd and FX graph cache outcome
+CACHE_LOGS=recompiles,dynamo,torch._functorch._aot_autograd.autograd_cache,torch._inductor.codecache
 COMPILED=(--prmppo-override ppo.compile=true --prmppo-override ppo.compile_cache=true)
 SHAPE05=(--model "$WORK/q05" --data-dir "$DATA" --gradient-checkpointing on --engine inprocess --sync none
          --prmppo-override ppo.micro_batch_rows=64)
@@ -83,14 +86,14 @@ models05() { python3 scripts/make_shape_model.py --out "$WORK/q05" --data-dir "$
 step models 120 models || { log "models failed"; }
 step models05 60 models05 || { log "models05 failed"; }
 step imports 40 imports
-TORCH_LOGS=recompiles step trl05 280 python3 benchmarks/trl_compare.py "${SHAPE05[@]}" "${COMPILED[@]}" \
+TORCH_LOGS=$CACHE_LOGS step trl05 280 python3 benchmarks/trl_compare.py "${SHAPE05[@]}" "${COMPILED[@]}" \
   --iterations 5 --sides prmppo,trl --out "$WORK/trl05"
 step gen05 50 python3 benchmarks/gpu_bench.py --model "$WORK/q05" --data-dir "$DATA" --rows 256 --decode static \
   --repeats 2 --out "$WORK/gen05"
 step gen7b 110 python3 benchmarks/gpu_bench.py --model "$WORK/q7b" --data-dir "$DATA" --rows 256 --decode static \
   --repeats 1 --out "$WORK/gen7b"
 mkdir -p "$WORK/warm_inductor" "$WORK/warm_triton"
-TORCHINDUCTOR_CACHE_DIR=$WORK/warm_inductor TRITON_CACHE_DIR=$WORK/warm_triton TORCH_LOGS=recompiles \
+TORCHINDUCTOR_CACHE_DIR=$WORK/warm_inductor TRITON_CACHE_DIR=$WORK/warm_triton TORCH_LOGS=$CACHE_LOGS \
   step warm05 90 python3 benchmarks/trl_compare.py "${SHAPE05[@]}" "${COMPILED[@]}" --iterations 2 --sides prmppo \
   --prmppo-override "artifacts_dir=$WORK/trl05/prmppo/artifacts" --out "$WORK/warm05"
 step eager05 60 python3 benchmarks/trl_compare.py "${SHAPE05[@]}" --iterations 2 --sides prmppo --out "$WORK/eager05"
