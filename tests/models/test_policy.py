@@ -232,3 +232,50 @@ def test_checkpointed_compiled_layers_run_one_graph_per_no_grad_pass():
     scored.logprobs.sum().backward()
     assert all(p.grad is not None for p in policy.policy_parameters())
     torch._dynamo.reset()
+
+
+def test_compiled_checkpointed_layers_checkpoint_outside_their_graphs_and_match_eager_gradients(monkeypatch):
+    """With `ppo.compile` and `ppo.gradient_checkpointing`, the checkpoint wraps each layer's compiled forward
+    from outside: no graph dynamo compiles holds a checkpoint (inside one, the partitioner wraps the attention
+    kernel in an RNG-replaying operator that torch before 2.13 keeps out of its FX graph cache, so every run
+    compiled the update's graph cold). Each layer still recomputes its forward in backward, and the gradients
+    are the uncompiled, uncheckpointed policy's."""
+    torch._dynamo.reset()
+    eager = LoraPolicy(_model(), detach_value_hidden=True, critic=False, r=4, alpha=8, target_modules=TARGETS)
+    policy = LoraPolicy(_model(), detach_value_hidden=True, critic=False, r=4, alpha=8, target_modules=TARGETS)
+    with torch.no_grad():
+        for p, q in zip(policy.policy_parameters(), eager.policy_parameters()):
+            p.add_(0.05 * torch.randn_like(p))
+            q.copy_(p)
+    runs = []  # one entry per run of a compiled graph
+
+    class CountingRuns(GraphCounter):
+        def __call__(self, gm, example_inputs):
+            super().__call__(gm, example_inputs)
+            return lambda *args: runs.append(gm) or gm.forward(*args)
+
+    counting = CountingRuns()
+    compile_fn = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compile_fn(fn, **{**kwargs, "backend": counting}))
+    policy.enable_gradient_checkpointing()
+    policy.compile_decoder_layers()
+    policy.train()
+    eager.train()
+    layers = policy.model.get_base_model().model.layers
+    ids, att, pos = _inputs()
+    response_ids, response_mask = ids[:, 4:], torch.ones_like(ids[:, 4:])
+    with torch.enable_grad():
+        got = policy.score(ids, att, pos, response_ids, response_mask, 4, 1.0, 64)
+        want = eager.score(ids, att, pos, response_ids, response_mask, 4, 1.0, 64)
+    assert len(runs) == len(layers)  # each layer's forward
+    got.logprobs.sum().backward()
+    assert len(runs) == 2 * len(layers)  # then its recompute in backward
+    want.logprobs.sum().backward()
+    assert torch.allclose(got.logprobs, want.logprobs, atol=1e-5)
+    for (name, p), q in zip(policy.model.named_parameters(), eager.model.parameters()):
+        if p.requires_grad:
+            assert torch.allclose(p.grad, q.grad, atol=1e-5), name
+    assert counting.graphs, "nothing was compiled"
+    hops = [str(node.target) for gm in counting.graphs for node in gm.graph.nodes if "checkpoint" in str(node.target)]
+    assert hops == [], f"a checkpoint inside a compiled graph: {hops}"
+    torch._dynamo.reset()

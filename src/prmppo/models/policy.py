@@ -25,6 +25,7 @@ generator), so the first rollout's ratio to the reference is exactly 1.
 from __future__ import annotations
 
 import copy
+import functools
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
@@ -92,6 +93,33 @@ def _causal_lm(model: nn.Module) -> nn.Module:
 def _inputs_require_grad_in_grad_mode(module: nn.Module, inputs, output: torch.Tensor) -> None:
     if torch.is_grad_enabled() and not output.requires_grad:
         output.requires_grad_(True)
+
+
+class CheckpointOutsideGraph:
+    """A compiled decoder layer's checkpointing function (transformers calls it with the layer's own forward
+    and the layer's inputs) that checkpoints a compiled copy of that forward, from outside any graph.
+
+    Compiled as transformers wraps it, a checkpointed layer puts the checkpoint inside the graph, and the
+    partitioner then wraps the attention kernel (a seeded op, dropout 0 or not) in
+    `graphsafe_run_with_rng_state` so that its recompute replays the forward's RNG state: torch before
+    2.13 will not put a graph holding that operator in its FX graph cache (pytorch/pytorch#185562), so
+    the update's graph was compiled cold by every run (85 s of a warm start at 0.5B on an H100). Here
+    the call is a graph break (`torch._dynamo.disable`): dynamo compiles the layer's forward as a graph
+    of its own with no recompute in it, the checkpoint runs eagerly around it (the same recompute in
+    backward, the same memory), and the graph is cacheable on every torch. The forward is compiled
+    with the options the layer was (`dynamic=True`), once for all layers of its class (`shared`).
+    """
+
+    def __init__(self, checkpoint, shared: dict) -> None:
+        self.checkpoint, self.shared = checkpoint, shared
+
+    @torch._dynamo.disable
+    def __call__(self, function, *args):
+        forward = function.func  # partial(forward, layer, **kwargs): the layer class's own forward
+        compiled = self.shared.get(forward)
+        if compiled is None:
+            compiled = self.shared[forward] = torch.compile(forward, dynamic=True)
+        return self.checkpoint(functools.partial(compiled, *function.args, **function.keywords), *args)
 
 
 def decoder_mask(lm: nn.Module, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -170,6 +198,7 @@ class _PolicyBase:
         if not self._checkpointed_layers:
             raise ValueError(f"ppo.gradient_checkpointing: {type(lm).__name__} has no layer transformers can "
                              f"checkpoint")
+        self._checkpoint_outside_compiled_graphs()
 
     def compile_decoder_layers(self) -> None:
         """`torch.compile` each decoder layer of the policy in place (`nn.Module.compile`: parameter
@@ -186,6 +215,18 @@ class _PolicyBase:
         self._first_layer_input_like_the_others()
         for layer in layers:
             layer.compile(dynamic=True)
+        self._checkpoint_outside_compiled_graphs()
+
+    def _checkpoint_outside_compiled_graphs(self) -> None:
+        """Compiled and checkpointed decoder layers checkpoint around their compiled forward rather than
+        inside it (`CheckpointOutsideGraph`). Runs after whichever of `enable_gradient_checkpointing` and
+        `compile_decoder_layers` comes second; once."""
+        layers = [layer for layer in self._checkpointed_layers
+                  if getattr(layer, "_compiled_call_impl", None) is not None
+                  and not isinstance(getattr(layer, "_gradient_checkpointing_func", None), CheckpointOutsideGraph)]
+        shared: dict = {}  # one compiled forward per layer class, for every layer
+        for layer in layers:
+            layer._gradient_checkpointing_func = CheckpointOutsideGraph(layer._gradient_checkpointing_func, shared)
 
     def _first_layer_input_like_the_others(self) -> None:
         """In grad mode, the embeddings' output requires grad, as every later layer's input does (under LoRA
