@@ -279,3 +279,30 @@ def test_compiled_checkpointed_layers_checkpoint_outside_their_graphs_and_match_
     hops = [str(node.target) for gm in counting.graphs for node in gm.graph.nodes if "checkpoint" in str(node.target)]
     assert hops == [], f"a checkpoint inside a compiled graph: {hops}"
     torch._dynamo.reset()
+
+
+def test_compiling_the_layers_traces_each_graph_once(monkeypatch):
+    """The layers' float constants (norm epsilon, LoRA scaling, attention scale) are specialised: traced as
+    symbolic floats, they make dynamo restart its analysis of every graph once (AOT's pass fails to turn them
+    into tensors), which on a GPU costs seconds per graph at every start, warm compile cache or not."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "specialize_float", False)  # the default, whatever ran before
+    restarts = []
+    original_init = torch._dynamo.exc.TensorifyScalarRestartAnalysis.__init__
+
+    def counted(self, *args, **kwargs):
+        restarts.append(args)
+        original_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch._dynamo.exc.TensorifyScalarRestartAnalysis, "__init__", counted)
+    compile_fn = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compile_fn(fn, **{**kwargs, "backend": "aot_eager"}))
+    policy = LoraPolicy(_model(), detach_value_hidden=True, critic=False, r=4, alpha=8, target_modules=TARGETS)
+    policy.compile_decoder_layers()
+    ids, att, pos = _inputs()
+    response_ids, response_mask = ids[:, 4:], torch.ones_like(ids[:, 4:])
+    with torch.enable_grad():
+        policy.score(ids, att, pos, response_ids, response_mask, 4, 1.0, 64).logprobs.sum().backward()
+    policy.reference_score(ids, att, pos, response_ids, response_mask, 4, 1.0, 64)
+    assert restarts == []
+    torch._dynamo.reset()

@@ -213,6 +213,11 @@ class _PolicyBase:
             raise ValueError(f"ppo.compile: {type(_causal_lm(self.model)).__name__}'s decoder has no `layers` list "
                              f"to compile (Llama, Mistral and Qwen2 have one); set ppo.compile=false")
         self._first_layer_input_like_the_others()
+        # the layers' float constants (norm epsilons, LoRA and attention scalings) as constants: dynamo would
+        # otherwise trace them as symbolic floats, fail to turn them into tensors, and trace every graph twice
+        # (a restart of its analysis: seconds per graph on a GPU, warm cache or not). Process-wide: these
+        # layers are all this process compiles
+        torch._dynamo.config.specialize_float = True
         for layer in layers:
             layer.compile(dynamic=True)
         self._checkpoint_outside_compiled_graphs()
