@@ -17,8 +17,8 @@
 #   warm05   the prmppo side of trl05 again, 2 iterations, with empty local inductor and triton caches and
 #            trl05's artifacts dir: the start-up when the compile cache kept with the artifacts is warm
 #   eager05  the prmppo side without compiled layers, 2 iterations: the start-up without compile
-#   nomerge05 the prmppo side of trl05 with rollout.merge_adapter=false (the LoRA branches run in every decode
-#            step), 5 iterations, the local compile caches trl05 left
+#   nomerge05 the prmppo side of trl05 with rollout.merge_adapter=false (the default: the LoRA branches run in
+#            every decode step; the 0.5B steps above merge), 5 iterations, the local compile caches trl05 left
 #   mfu05    the update alone (gpu_update_bench.py: LoRA r 16 on every linear, compiled layers): its MFU
 #   p7b      7B: the prmppo side alone (rollout=inprocess, eager, micro-batches of 32, checkpointed), 3 iterations
 # Writes OUT_DIR/suite.log and OUT_DIR/suite.tar.gz (each step's log, figures.json / gpu_bench.json, and the
@@ -78,8 +78,9 @@ imports() {
 # recompiles, dynamo's tracing steps and restarts, and each graph's AOTAutograd and FX graph cache outcome
 CACHE_LOGS=recompiles,dynamo,torch._functorch._aot_autograd.autograd_cache,torch._inductor.codecache
 COMPILED=(--prmppo-override ppo.compile=true --prmppo-override ppo.compile_cache=true)
-SHAPE05=(--model "$WORK/q05" --data-dir "$DATA" --gradient-checkpointing on --engine inprocess --sync none
-         --prmppo-override ppo.micro_batch_rows=64)
+SHAPE05_BRANCHES=(--model "$WORK/q05" --data-dir "$DATA" --gradient-checkpointing on --engine inprocess --sync none
+                  --prmppo-override ppo.micro_batch_rows=64)
+SHAPE05=("${SHAPE05_BRANCHES[@]}" --prmppo-override rollout.merge_adapter=true)
 
 models05() { python3 scripts/make_shape_model.py --out "$WORK/q05" --data-dir "$DATA"; }
 
@@ -97,8 +98,8 @@ TORCHINDUCTOR_CACHE_DIR=$WORK/warm_inductor TRITON_CACHE_DIR=$WORK/warm_triton T
   step warm05 90 python3 benchmarks/trl_compare.py "${SHAPE05[@]}" "${COMPILED[@]}" --iterations 2 --sides prmppo \
   --prmppo-override "artifacts_dir=$WORK/trl05/prmppo/artifacts" --out "$WORK/warm05"
 step eager05 60 python3 benchmarks/trl_compare.py "${SHAPE05[@]}" --iterations 2 --sides prmppo --out "$WORK/eager05"
-TORCH_LOGS=recompiles step nomerge05 100 python3 benchmarks/trl_compare.py "${SHAPE05[@]}" "${COMPILED[@]}" \
-  --prmppo-override rollout.merge_adapter=false --iterations 5 --sides prmppo --out "$WORK/nomerge05"
+TORCH_LOGS=recompiles step nomerge05 100 python3 benchmarks/trl_compare.py "${SHAPE05_BRANCHES[@]}" "${COMPILED[@]}" \
+  --iterations 5 --sides prmppo --out "$WORK/nomerge05"
 step mfu05 90 python3 benchmarks/gpu_update_bench.py --model "$WORK/q05" --lora --compile
 step p7b 150 python3 benchmarks/trl_compare.py --model "$WORK/q7b" --data-dir "$DATA" --gradient-checkpointing on \
   --engine inprocess --sync none --micro-rows 32 --iterations 3 --sides prmppo --out "$WORK/p7b"

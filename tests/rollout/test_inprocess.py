@@ -47,7 +47,7 @@ def lora_policy(base_dir, dropout: float = 0.0) -> LoraPolicy:
     return policy
 
 
-def in_process_engine(model: nn.Module, decode: str = "static", merge: bool = True):
+def in_process_engine(model: nn.Module, decode: str = "static", merge: bool = False):
     """The engine as a run builds it: from the real `rollout=inprocess` config node."""
     node = compose_config(["rollout=inprocess", f"rollout.decode={decode}", f"rollout.merge_adapter={merge}"]).rollout
     return build(node, "rollout engine", spool_dir="unused", base_model_dir="unused", log_path="unused",
@@ -176,7 +176,7 @@ def test_unmerged_engine_reads_the_trainers_own_weights_and_copies_none(base_dir
 @pytest.mark.parametrize("decode", ["static", "dynamic"])
 def test_merged_engine_runs_no_lora_branch_and_puts_every_weight_back(base_dir, decode):
     policy = lora_policy(base_dir)
-    engine = in_process_engine(policy.model, decode)
+    engine = in_process_engine(policy.model, decode, merge=True)
     parameters = dict(policy.model.named_parameters())
     before = {name: (p.data_ptr(), p.detach().clone()) for name, p in parameters.items()}
     switches = {name: m._disable_adapters for name, m in policy.model.named_modules() if hasattr(m, "lora_A")}
@@ -198,7 +198,7 @@ def test_merged_engine_runs_no_lora_branch_and_puts_every_weight_back(base_dir, 
 
 def test_a_failed_merged_request_still_puts_every_weight_back(base_dir):
     policy = lora_policy(base_dir)
-    engine = in_process_engine(policy.model)
+    engine = in_process_engine(policy.model, merge=True)
     before = {name: p.data_ptr() for name, p in policy.model.named_parameters()}
 
     def broken(*args, **kwargs):
@@ -215,12 +215,12 @@ def test_an_adapter_that_cannot_merge_samples_through_its_branches(base_dir, cap
     policy = lora_policy(base_dir)
     layer = next(m for m in policy.model.modules() if hasattr(m, "lora_A"))
     layer.fan_in_fan_out = True  # a layout the merge does not handle: every layer stays unmerged
-    engine = in_process_engine(policy.model)
+    engine = in_process_engine(policy.model, merge=True)
     with caplog.at_level("WARNING"):
         got = engine.generate(request())
     assert engine.last_merged == 0 and "unmerged (a LoRA bias, fan_in_fan_out" in caplog.text
     layer.fan_in_fan_out = False
-    assert got.token_ids == in_process_engine(policy.model, merge=False).generate(request()).token_ids
+    assert got.token_ids == in_process_engine(policy.model).generate(request()).token_ids
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])

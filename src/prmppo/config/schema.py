@@ -279,10 +279,12 @@ class InProcessRolloutConfig(RolloutConfig):
     # none: the engine sees the trainer's weights as they are (nothing to ship); it must be, with
     # sync_every_iterations 1
     sync: str = "none"
-    # LoRA: each request samples with W + scale * B A swapped in for every adapted base weight (a transient
-    # copy, freed before the update; ~12 GiB at the 7B shape) and the LoRA branches off: one matmul per linear
-    # on every decode step instead of three. false: the branches run as they are, no copy
-    merge_adapter: bool = True
+    # LoRA: true samples each request with W + scale * B A swapped in for every adapted base weight (a
+    # transient copy, freed before the update) and the LoRA branches off: one matmul per linear on every
+    # decode step instead of three. On an H100 at 0.5B generation took 1.46 s instead of 1.99; at the 7B
+    # shape on an H200 the copy raised the run's peak to 34.8 GiB (benchmarks/RESULTS.md). false (the
+    # default: this engine is for runs the weights' memory limits): the branches run as they are, no copy
+    merge_adapter: bool = False
 
 
 # --------------------------------------------------------------------------- topology

@@ -18,7 +18,7 @@ Weight sync: none (`rollout.sync=none`, `ppo/sync.py`): the engine reads the wei
 has just written; a push only advances the version the next request names ("live" weights), so
 `rollout.sync_every_iterations` must be 1 (sampling with older weights would need a copy of them).
 
-Merged adapter (`rollout.merge_adapter`, default true; LoRA only): for each request every LoRA
+Merged adapter (`rollout.merge_adapter=true`; default false; LoRA only): for each request every LoRA
 linear's base weight is swapped, for the request alone, for W + scale * B A (computed in fp32, stored in
 the weights' dtype), and its LoRA branch is switched off, so a decode step runs one matmul per linear
 instead of three (the factors' two small ones are kernel launches that a small model's launch-bound
@@ -28,7 +28,9 @@ untouched and back in place when the request returns, or fails. The samples are 
 weights that `rollout.sync=shared` serves a worker: equal to the unmerged forward up to rounding (the
 trainer recomputes every logprob PPO uses). Adapters that are not plain LoRA on `nn.Linear` (DoRA,
 LoRA biases, `fan_in_fan_out`) are never merged: the request then runs the LoRA branches, with a
-warning. `rollout.merge_adapter=false` keeps the branches always: no transient copy.
+warning. `rollout.merge_adapter=false` (the default) keeps the branches: no transient copy, the run's
+peak memory as without the merge. The merge pays where the decode step is launch-bound (small models);
+where the weights' memory is what limits the run, the copy can raise its peak (benchmarks/RESULTS.md).
 
 Sampling: `decoding.Decoding`, the loop of the worker's engine (static KV cache, CUDA graphs on
 CUDA, grouped decode attention), under `torch.no_grad` with every module in eval mode, each
@@ -75,7 +77,7 @@ class InProcessEngine:
     def __init__(self, engine: str, python: str, sync: str, sync_every_iterations: int, startup_timeout_s: float,
                  request_timeout_s: float, heartbeat_timeout_s: float, gpu_memory_utilization: float,
                  decode: str, standby: bool, *, model: nn.Module, spool_dir=None, base_model_dir=None, log_path=None,
-                 device=None, dtype=None, lora_rank=None, seed=None, merge_adapter: bool = True) -> None:
+                 device=None, dtype=None, lora_rank=None, seed=None, merge_adapter: bool = False) -> None:
         # the worker's keys (its interpreter, timeouts, memory share, standby) and the arguments a run gives a
         # worker (spool, base checkpoint, log, engine device, dtype, LoRA rank, seed) mean nothing here: the
         # engine runs in this process, on the device and in the dtype `model` has
