@@ -273,7 +273,8 @@ class RolloutConfig:
 @dataclass
 class InProcessRolloutConfig(RolloutConfig):
     # the engine in the trainer's process, sampling with the trainer's own policy model: no worker, no
-    # second copy of the weights (`rollout/inprocess.py`); of the keys above it reads `decode` only, and it adds
+    # second copy of the weights (`rollout/inprocess.py`); of the keys above it reads `decode` only;
+    # merge_adapter is its own
     _target_: str = "prmppo.rollout.inprocess.InProcessEngine"
     engine: str = "inprocess"
     # none: the engine sees the trainer's weights as they are (nothing to ship); it must be, with

@@ -25,7 +25,6 @@ generator), so the first rollout's ratio to the reference is exactly 1.
 from __future__ import annotations
 
 import copy
-import functools
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
@@ -38,6 +37,7 @@ from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
 
 from prmppo.config.schema import LoraAdapterConfig
+from prmppo.models.compiled_checkpoint import CheckpointOutsideGraph
 from prmppo.models.token_scores import token_scores
 from prmppo.models.value_head import ValueHead
 
@@ -93,33 +93,6 @@ def _causal_lm(model: nn.Module) -> nn.Module:
 def _inputs_require_grad_in_grad_mode(module: nn.Module, inputs, output: torch.Tensor) -> None:
     if torch.is_grad_enabled() and not output.requires_grad:
         output.requires_grad_(True)
-
-
-class CheckpointOutsideGraph:
-    """A compiled decoder layer's checkpointing function (transformers calls it with the layer's own forward
-    and the layer's inputs) that checkpoints a compiled copy of that forward, from outside any graph.
-
-    Compiled as transformers wraps it, a checkpointed layer puts the checkpoint inside the graph, and the
-    partitioner then wraps the attention kernel (a seeded op, dropout 0 or not) in
-    `graphsafe_run_with_rng_state` so that its recompute replays the forward's RNG state: torch before
-    2.13 will not put a graph holding that operator in its FX graph cache (pytorch/pytorch#185562), so
-    the update's graph was compiled cold by every run (85 s of a warm start at 0.5B on an H100). Here
-    the call is a graph break (`torch._dynamo.disable`): dynamo compiles the layer's forward as a graph
-    of its own with no recompute in it, the checkpoint runs eagerly around it (the same recompute in
-    backward, the same memory), and the graph is cacheable on every torch. The forward is compiled
-    with the options the layer was (`dynamic=True`), once for all layers of its class (`shared`).
-    """
-
-    def __init__(self, checkpoint, shared: dict) -> None:
-        self.checkpoint, self.shared = checkpoint, shared
-
-    @torch._dynamo.disable
-    def __call__(self, function, *args):
-        forward = function.func  # partial(forward, layer, **kwargs): the layer class's own forward
-        compiled = self.shared.get(forward)
-        if compiled is None:
-            compiled = self.shared[forward] = torch.compile(forward, dynamic=True)
-        return self.checkpoint(functools.partial(compiled, *function.args, **function.keywords), *args)
 
 
 def decoder_mask(lm: nn.Module, attention_mask: torch.Tensor) -> torch.Tensor:
