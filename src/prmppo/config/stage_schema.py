@@ -50,9 +50,9 @@ class PPOConfig:
     # per pass kind (policy, reference, PRM scoring), compiled in the start-up gate or the first iteration;
     # every sequence width is then padded to a multiple of 8 (inductor guards each graph on it; masked
     # columns, no loss changes); a micro-batch of one row (a row alone over ppo.micro_batch_tokens, or
-    # ppo.micro_batch_rows=1) compiles its own once. Works under topology=fsdp too. With gradient_checkpointing
-    # the checkpoint wraps each layer's compiled forward from outside (models/compiled_checkpoint.py CheckpointOutsideGraph),
-    # so the update's graph is one the compile cache keeps.
+    # ppo.micro_batch_rows=1) compiles its own once. Works under topology=fsdp too. With
+    # gradient_checkpointing the checkpoint wraps each layer's compiled forward from outside
+    # (models/compiled_checkpoint.py), so the update's graph is one the compile cache keeps.
     # `python benchmarks/compile_trace.py <overrides>` lists the graphs a run compiles
     compile: bool = False
     # with compile: keep the compiled graphs in <artifacts_dir>/compile_cache/, keyed by what decides them
