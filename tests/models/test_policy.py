@@ -165,6 +165,17 @@ def test_reference_stays_the_base_after_a_prm_loads_on_the_prm_host(tmp_path, po
     assert {n: after[n] for n in trainable_before} == trainable_before
 
 
+def _twin_policies(critic: bool) -> tuple[LoraPolicy, LoraPolicy]:
+    """Two LoRA policies on the same model with the same moved adapter: one to compile, one to run eagerly."""
+    eager = LoraPolicy(_model(), detach_value_hidden=True, critic=critic, r=4, alpha=8, target_modules=TARGETS)
+    policy = LoraPolicy(_model(), detach_value_hidden=True, critic=critic, r=4, alpha=8, target_modules=TARGETS)
+    with torch.no_grad():
+        for p, q in zip(policy.policy_parameters(), eager.policy_parameters()):
+            p.add_(0.05 * torch.randn_like(p))
+            q.copy_(p)
+    return eager, policy
+
+
 def test_compiled_layers_run_one_graph_for_micro_batches_with_and_without_padding(monkeypatch):
     """A micro-batch whose rows all have the same length has no padding. transformers then hands the decoder
     layers no mask at all, where a padded micro-batch gets a boolean one: for compiled layers (`ppo.compile`)
@@ -172,12 +183,7 @@ def test_compiled_layers_run_one_graph_for_micro_batches_with_and_without_paddin
     mask itself for compiled layers, so the graph a padded micro-batch compiled serves both, and the scores
     match the uncompiled model's. A counting backend records each graph dynamo hands it."""
     torch._dynamo.reset()
-    eager = LoraPolicy(_model(), detach_value_hidden=True, critic=True, r=4, alpha=8, target_modules=TARGETS)
-    policy = LoraPolicy(_model(), detach_value_hidden=True, critic=True, r=4, alpha=8, target_modules=TARGETS)
-    with torch.no_grad():
-        for p, q in zip(policy.policy_parameters(), eager.policy_parameters()):
-            p.add_(0.05 * torch.randn_like(p))
-            q.copy_(p)
+    eager, policy = _twin_policies(critic=True)
     counting = GraphCounter()
     graphs = counting.graphs
     compile_module = torch.nn.Module.compile
@@ -237,16 +243,11 @@ def test_checkpointed_compiled_layers_run_one_graph_per_no_grad_pass():
 def test_compiled_checkpointed_layers_checkpoint_outside_their_graphs_and_match_eager_gradients(monkeypatch):
     """With `ppo.compile` and `ppo.gradient_checkpointing`, the checkpoint wraps each layer's compiled forward
     from outside: no graph dynamo compiles holds a checkpoint (inside one, the partitioner wraps the attention
-    kernel in an RNG-replaying operator that torch before 2.13 keeps out of its FX graph cache, so every run
+    kernel in an RNG-replaying operator that torch 2.11 keeps out of its FX graph cache, so every run
     compiled the update's graph cold). Each layer still recomputes its forward in backward, and the gradients
     are the uncompiled, uncheckpointed policy's."""
     torch._dynamo.reset()
-    eager = LoraPolicy(_model(), detach_value_hidden=True, critic=False, r=4, alpha=8, target_modules=TARGETS)
-    policy = LoraPolicy(_model(), detach_value_hidden=True, critic=False, r=4, alpha=8, target_modules=TARGETS)
-    with torch.no_grad():
-        for p, q in zip(policy.policy_parameters(), eager.policy_parameters()):
-            p.add_(0.05 * torch.randn_like(p))
-            q.copy_(p)
+    eager, policy = _twin_policies(critic=False)
     runs = []  # one entry per run of a compiled graph
 
     class CountingRuns(GraphCounter):
