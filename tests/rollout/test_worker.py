@@ -142,6 +142,11 @@ def test_corrupt_result_raises_spool_file_error(client):
 
 def test_killed_worker_raises_quickly_with_log_path(model_dirs, tmp_path):
     with make_client(tmp_path, model_dirs[0]) as victim:
+        # the worker logs its ready line around its first heartbeat, which is what entering waits for: under
+        # load the line can land after it, and a kill before it would leave it out of the log tail
+        deadline = time.monotonic() + 30
+        while "ready: serving" not in (tmp_path / "worker.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
         os.kill(victim.pid, signal.SIGSTOP)  # hold it so the request is surely in flight
         threading.Timer(0.3, os.kill, (victim.pid, signal.SIGKILL)).start()
         start = time.monotonic()
