@@ -287,7 +287,6 @@ def test_compiling_the_layers_traces_each_graph_once(monkeypatch):
     symbolic floats, they make dynamo restart its analysis of every graph once (AOT's pass fails to turn them
     into tensors), which on a GPU costs seconds per graph at every start, warm compile cache or not."""
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "specialize_float", False)  # the default, whatever ran before
     restarts = []
     original_init = torch._dynamo.exc.TensorifyScalarRestartAnalysis.__init__
 
@@ -299,11 +298,12 @@ def test_compiling_the_layers_traces_each_graph_once(monkeypatch):
     compile_fn = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compile_fn(fn, **{**kwargs, "backend": "aot_eager"}))
     policy = LoraPolicy(_model(), detach_value_hidden=True, critic=False, r=4, alpha=8, target_modules=TARGETS)
-    policy.compile_decoder_layers()
-    ids, att, pos = _inputs()
-    response_ids, response_mask = ids[:, 4:], torch.ones_like(ids[:, 4:])
-    with torch.enable_grad():
-        policy.score(ids, att, pos, response_ids, response_mask, 4, 1.0, 64).logprobs.sum().backward()
-    policy.reference_score(ids, att, pos, response_ids, response_mask, 4, 1.0, 64)
+    with torch._dynamo.config.patch(specialize_float=False):  # the default, whatever ran before; put back after
+        policy.compile_decoder_layers()
+        ids, att, pos = _inputs()
+        response_ids, response_mask = ids[:, 4:], torch.ones_like(ids[:, 4:])
+        with torch.enable_grad():
+            policy.score(ids, att, pos, response_ids, response_mask, 4, 1.0, 64).logprobs.sum().backward()
+        policy.reference_score(ids, att, pos, response_ids, response_mask, 4, 1.0, 64)
     assert restarts == []
     torch._dynamo.reset()
