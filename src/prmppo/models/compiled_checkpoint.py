@@ -22,11 +22,10 @@ class CheckpointOutsideGraph:
     `graphsafe_run_with_rng_state` so that its recompute replays the forward's RNG state: torch 2.11 will
     not put a graph holding that operator in its FX graph cache (pytorch/pytorch#185562 marks it cacheable;
     torch 2.13 has that), so the update's graph was compiled cold by every run (85 s of a warm start at 0.5B
-    on an H100). Here
-    the call is a graph break (`torch._dynamo.disable`): dynamo compiles the layer's forward as a graph
-    of its own with no recompute in it, the checkpoint runs eagerly around it (the same recompute in
-    backward, the same memory), and the graph is cacheable on every torch. The forward is compiled
-    with the options the layer was (`dynamic=True`), once for all layers of its class (`shared`).
+    on an H100). Here the call is a graph break (`torch._dynamo.disable`): dynamo compiles the layer's
+    forward as a graph of its own with no recompute in it, the checkpoint runs eagerly around it (the same
+    recompute in backward, the same memory), and the graph is cacheable on every torch. The forward is
+    compiled with the options the layer was (`dynamic=True`), once for all layers of its class (`shared`).
     """
 
     def __init__(self, checkpoint, shared: dict) -> None:

@@ -57,6 +57,8 @@ import logging
 import time
 
 import torch
+from peft.tuners.lora import LoraLayer
+from peft.tuners.lora.layer import Linear as LoraLinear
 from torch import nn
 
 from prmppo.rollout.decoding import Decoding
@@ -184,20 +186,9 @@ def _eager_layers(model: nn.Module):
             module._compiled_call_impl = call
 
 
-def _lora_linears(model: nn.Module) -> list:
-    """The model's peft LoRA layers (any kind), in module order."""
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:  # no peft: no adapters
-        return []
-    return [module for module in model.modules() if isinstance(module, LoraLayer)]
-
-
 def _merge_refusal(layer, adapter: str) -> str | None:
     """Why `layer` cannot run `adapter` merged into a transient base weight; None when it can."""
-    from peft.tuners.lora.layer import Linear
-
-    if not isinstance(layer, Linear) or not isinstance(layer.get_base_layer(), nn.Linear):
+    if not isinstance(layer, LoraLinear) or not isinstance(layer.get_base_layer(), nn.Linear):
         return f"{type(layer).__name__} is not a LoRA nn.Linear"
     if adapter in layer.lora_variant or layer.use_dora.get(adapter, False):
         return "a LoRA variant (DoRA and the like)"
@@ -213,7 +204,8 @@ def _merged_adapter(model: nn.Module, adapter: str | None, enabled: bool):
     """For the block, every LoRA linear of `model` computes base(x) with W + scale * B A as its base weight
     and its LoRA branch off; yields how many linears were merged (0: the branches run as they are). Each
     base weight's own tensor and each layer's switch are put back on the way out, whatever happens inside."""
-    layers = _lora_linears(model) if enabled and adapter is not None else []
+    layers = [module for module in model.modules() if isinstance(module, LoraLayer)] \
+        if enabled and adapter is not None else []
     refusals = {reason for reason in (_merge_refusal(layer, adapter) for layer in layers) if reason}
     if refusals:
         LOG.warning("rollout.merge_adapter: sampling with the LoRA branches unmerged (%s)", "; ".join(sorted(refusals)))
