@@ -20,6 +20,8 @@
 #   nomerge05 the prmppo side of trl05 with rollout.merge_adapter=false (the default: the LoRA branches run in
 #            every decode step; the 0.5B steps above merge), 5 iterations, the local compile caches trl05 left
 #   mfu05    the update alone (gpu_update_bench.py: LoRA r 16 on every linear, compiled layers): its MFU
+#   prof05   the prmppo side of trl05, 4 iterations, under benchmarks/iteration_profile.py: each phase's seconds
+#            and allocator peaks, torch.profiler's ops of the third iteration (the local compile caches trl05 left)
 #   p7b      7B: the prmppo side alone (rollout=inprocess, eager, micro-batches of 32, checkpointed), 3 iterations
 # Writes OUT_DIR/suite.log and OUT_DIR/suite.tar.gz (each step's log, figures.json / gpu_bench.json, and the
 # small files of every run dir: no weights, no compile caches).
@@ -28,7 +30,7 @@ T0=$(date +%s)
 OUT=$1
 DATA=$(cd "$2" && pwd)
 BUDGET=${3:-570}
-STEPS=${4:-models,imports,trl05,gen05,gen7b,warm05,eager05,nomerge05,mfu05,p7b}
+STEPS=${4:-models,imports,trl05,gen05,gen7b,warm05,eager05,nomerge05,prof05,mfu05,p7b}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${SUITE_WORK:-/tmp/gpu_suite}
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$HERE/src PYTHONUNBUFFERED=1
@@ -100,6 +102,8 @@ TORCHINDUCTOR_CACHE_DIR=$WORK/warm_inductor TRITON_CACHE_DIR=$WORK/warm_triton T
 step eager05 60 python3 benchmarks/trl_compare.py "${SHAPE05[@]}" --iterations 2 --sides prmppo --out "$WORK/eager05"
 TORCH_LOGS=recompiles step nomerge05 100 python3 benchmarks/trl_compare.py "${SHAPE05_BRANCHES[@]}" "${COMPILED[@]}" \
   --iterations 5 --sides prmppo --out "$WORK/nomerge05"
+step prof05 200 python3 benchmarks/iteration_profile.py --out "$WORK/prof05" --profile-iteration 2 -- \
+  "${SHAPE05[@]}" "${COMPILED[@]}" --iterations 4
 step mfu05 90 python3 benchmarks/gpu_update_bench.py --model "$WORK/q05" --lora --compile
 step p7b 150 python3 benchmarks/trl_compare.py --model "$WORK/q7b" --data-dir "$DATA" --gradient-checkpointing on \
   --engine inprocess --sync none --micro-rows 32 --iterations 3 --sides prmppo --out "$WORK/p7b"

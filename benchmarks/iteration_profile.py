@@ -1,0 +1,129 @@
+"""Where one PPO iteration's time and memory go: `python -m prmppo` with each phase timed and profiled.
+
+    PYTHONPATH=src python benchmarks/iteration_profile.py --out /tmp/prof --profile-iteration 3 -- \
+        --model <model dir> --data-dir <gsm8k dir> --engine inprocess --sync none --iterations 4 ...
+
+Everything after `--` is `benchmarks/trl_compare.py`'s own arguments: the run is that script's prmppo side
+(the same overrides of `python -m prmppo`, its run dir OUT/run), here in this process. For every iteration it
+records, per phase (sample, assemble, update), the wall seconds and on CUDA the allocator's peak
+(`torch.cuda.max_memory_allocated` and `max_memory_reserved`, reset at each phase's start): written to
+OUT/phases.jsonl. For iteration `--profile-iteration` it also runs torch.profiler (CPU and CUDA) and writes
+OUT/ops_cuda.txt (the ops by device time), OUT/ops_cpu.txt (by host self time), OUT/phases.txt (each
+phase's device-busy time against its wall time, from the `phase:*` ranges) and OUT/trace.json (a Chrome
+trace, for `chrome://tracing` or Perfetto).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import runpy
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+PHASES = ("sample", "assemble", "update")
+
+
+def parse_args(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        raise SystemExit("give the run's overrides after `--` (see the docstring)")
+    cut = argv.index("--")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="directory for phases.jsonl and the profile's files")
+    parser.add_argument("--profile-iteration", type=int, default=None,
+                        help="the iteration (0-based) to run under torch.profiler; none by default")
+    args = parser.parse_args(argv[:cut])
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import trl_compare
+
+    compare = trl_compare.parse_args(argv[cut + 1:])
+    return args, trl_compare.prmppo_overrides(compare, Path(args.out) / "run")
+
+
+def _phase_wrapper(method, name: str, state: dict):
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        with torch.profiler.record_function(f"phase:{name}"):
+            result = method(self, *args, **kwargs)
+        if cuda:
+            torch.cuda.synchronize()
+        row = {"seconds": time.perf_counter() - start}
+        if cuda:
+            row |= {"max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+                    "max_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
+        state["current"][name] = row
+        return result
+    return wrapped
+
+
+def install(out: Path, profile_iteration: int | None) -> None:
+    """Wrap PPOTrainer's phases and its iteration; the records go to `out`."""
+    from prmppo.ppo.loop import PPOTrainer
+
+    state = {"current": {}}
+    for name, attribute in (("sample", "sample"), ("assemble", "assemble"), ("update", "update")):
+        setattr(PPOTrainer, attribute, _phase_wrapper(getattr(PPOTrainer, attribute), name, state))
+    iteration = PPOTrainer.iteration
+
+    @functools.wraps(iteration)
+    def profiled_iteration(self, number: int):
+        state["current"] = {}
+        if number != profile_iteration:
+            metrics = iteration(self, number)
+        else:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            with torch.profiler.profile(activities=activities, record_shapes=False) as prof:
+                metrics = iteration(self, number)
+            _write_profile(prof, out)
+        with (out / "phases.jsonl").open("a") as handle:
+            handle.write(json.dumps({"iteration": number, **state["current"],
+                                     "iteration_s": metrics.get("perf/iteration_s")}) + "\n")
+        return metrics
+
+    PPOTrainer.iteration = profiled_iteration
+
+
+def _write_profile(prof, out: Path) -> None:
+    averages = prof.key_averages()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    (out / "ops_cuda.txt").write_text(averages.table(sort_by=sort, row_limit=50))
+    (out / "ops_cpu.txt").write_text(averages.table(sort_by="self_cpu_time_total", row_limit=50))
+    lines = []
+    for event in averages:
+        if event.key.startswith("phase:"):
+            device_us = getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
+            lines.append(f"{event.key}: wall {event.cpu_time_total / 1e6:.3f} s, device {device_us / 1e6:.3f} s")
+    (out / "phases.txt").write_text("\n".join(lines) + "\n")
+    with contextlib.suppress(Exception):  # a trace too large to write is not worth failing the run over
+        prof.export_chrome_trace(str(out / "trace.json"))
+
+
+def main(argv=None) -> int:
+    args, overrides = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    install(out, args.profile_iteration)
+    sys.argv = ["prmppo", *overrides]
+    try:
+        runpy.run_module("prmppo", run_name="__main__", alter_sys=True)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""benchmarks/iteration_profile.py runs trl_compare.py's prmppo side on CPU at a toy size and records each phase."""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.benchmarks.test_gpu_bench import write_gsm8k
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks" / "iteration_profile.py"
+
+
+def test_profile_records_every_iteration_and_profiles_the_one_asked(tmp_path):
+    data, model, out = tmp_path / "gsm8k", tmp_path / "model", tmp_path / "prof"
+    write_gsm8k(data)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_shape_model.py"), "--out", str(model), "--shape",
+                    "tiny-qwen2", "--vocab", "400", "--data-dir", str(data)], check=True, capture_output=True, env=env)
+    command = [sys.executable, str(BENCH), "--out", str(out), "--profile-iteration", "1", "--",
+               "--model", str(model), "--data-dir", str(data), "--engine", "inprocess", "--sync", "none",
+               "--iterations", "2", "--device", "cpu", "--prompts", "2", "--group", "2", "--new-tokens", "4",
+               "--minibatch-rows", "4", "--micro-rows", "2"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in (out / "phases.jsonl").read_text().splitlines()]
+    assert [row["iteration"] for row in rows] == [0, 1]
+    for row in rows:
+        assert all(row[phase]["seconds"] > 0 for phase in ("sample", "assemble", "update"))
+    phases = (out / "phases.txt").read_text()
+    assert all(f"phase:{name}" in phases for name in ("sample", "assemble", "update"))
+    assert "aten::" in (out / "ops_cpu.txt").read_text()
+    assert (out / "run" / "metrics.jsonl").exists()
+
+
+def test_profile_refuses_a_command_without_the_separator(monkeypatch):
+    monkeypatch.setattr(sys, "argv", [str(BENCH), "--out", "x"])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(BENCH), run_name="__main__")
+    assert "--" in str(done.value.code)
