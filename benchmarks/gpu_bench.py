@@ -13,7 +13,9 @@ tokenizer):
   sampling at `--temperature` with top_k=0 and top_p=1 (the full distribution, as the engine
   samples), the model's default cache;
 - `engine:<decode>`: `HFEngine.generate` for each `--decode` loop (`static`: static KV cache with
-  CUDA graphs on CUDA; `static_eager`: without graphs; `dynamic`: the previous loop), in process.
+  CUDA graphs on CUDA; `static_eager`: without graphs; `dynamic`: the previous loop), in process;
+  with `--compile-decode`, `engine:static+compile` too: the static loop with each decode step one
+  torch.compile graph of the model forward (`rollout.compile_decode`; it compiles in the warm-up call).
 
 Every row is forced to exactly `--new-tokens` tokens, so both sides do the same work: `generate`
 with `min_new_tokens = max_new_tokens` (EOS suppressed), the engine with an EOS id outside the
@@ -83,6 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per side after the warm-up call")
     parser.add_argument("--decode", nargs="+", default=list(DECODE_LOOPS), choices=DECODE_LOOPS)
+    parser.add_argument("--compile-decode", action="store_true",
+                        help="also time the static loop with its decode step compiled (side engine:static+compile)")
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
     parser.add_argument("--dtype", default="bfloat16" if cuda else "float32", choices=["float32", "bfloat16"])
     parser.add_argument("--peak-tbps", type=float, default=0.0,
@@ -232,6 +236,9 @@ def load_sides(model_dir: Path, args) -> tuple:
                                                  dtype=getattr(torch, args.dtype)).to(args.device).eval()
     engines = {decode: HFEngine(str(model_dir), device=args.device, dtype=args.dtype, decode=decode)
                for decode in args.decode}
+    if args.compile_decode:  # the static loop with its decode step compiled (rollout.compile_decode)
+        engines["static+compile"] = HFEngine(str(model_dir), device=args.device, dtype=args.dtype, decode="static",
+                                             compile_decode=True)
     return model, engines
 
 

@@ -17,6 +17,7 @@ from transformers import MistralConfig, MistralForCausalLM
 from conftest import compose_config
 from prmppo.config.build import build
 from prmppo.models.policy import FullPolicy, LoraPolicy
+from prmppo.rollout import static_decode
 from prmppo.rollout.hf_engine import HFEngine
 from prmppo.rollout.protocol import RolloutRequest, RolloutWorkerError, WeightsSpec
 
@@ -47,9 +48,10 @@ def lora_policy(base_dir, dropout: float = 0.0) -> LoraPolicy:
     return policy
 
 
-def in_process_engine(model: nn.Module, decode: str = "static", merge: bool = False):
+def in_process_engine(model: nn.Module, decode: str = "static", merge: bool = False, compile_decode: bool = False):
     """The engine as a run builds it: from the real `rollout=inprocess` config node."""
-    node = compose_config(["rollout=inprocess", f"rollout.decode={decode}", f"rollout.merge_adapter={merge}"]).rollout
+    node = compose_config(["rollout=inprocess", f"rollout.decode={decode}", f"rollout.merge_adapter={merge}",
+                           f"rollout.compile_decode={compile_decode}"]).rollout
     return build(node, "rollout engine", spool_dir="unused", base_model_dir="unused", log_path="unused",
                  device="cpu", dtype="float32", lora_rank=4, seed=0, model=model)
 
@@ -244,6 +246,29 @@ def test_samples_without_dropout_puts_training_flags_back_and_runs_compiled_laye
     assert (result.token_ids, result.logprobs) == (plain.token_ids, plain.logprobs)
     assert {name: module.training for name, module in policy.model.named_modules()} == flags
     assert all(layer._compiled_call_impl is compiled_call for layer in layers)
+
+
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "branches"])
+def test_compiled_decode_step_samples_what_the_eager_step_samples_on_the_lora_policy(base_dir, merge, monkeypatch):
+    """rollout.compile_decode=true from the config node: the decode step of the peft model (adapter merged or
+    through its branches) is traced by dynamo and samples the eager engine's tokens."""
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(static_decode, "COMPILE_BACKEND", counting_backend)
+    monkeypatch.setattr(static_decode, "_COMPILED_FORWARD_ROWS", None)
+    policy = lora_policy(base_dir)
+    eager = in_process_engine(policy.model, merge=merge).generate(request())
+    assert not graphs
+    compiled = in_process_engine(policy.model, merge=merge, compile_decode=True).generate(request())
+    assert graphs, "compile_decode=true traced nothing: the option did not reach the decoder"
+    assert compiled.token_ids == eager.token_ids and compiled.finish_reasons == eager.finish_reasons
+    for got_row, want_row in zip(compiled.logprobs, eager.logprobs):
+        assert got_row == pytest.approx(want_row, abs=1e-5)
 
 
 def test_kv_cache_is_released_after_each_request(base_dir):

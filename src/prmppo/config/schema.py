@@ -286,6 +286,12 @@ class InProcessRolloutConfig(RolloutConfig):
     # shape on an H200 the copy raised the run's peak to 34.8 GiB (benchmarks/RESULTS.md). false (the
     # default: this engine is for runs the weights' memory limits): the branches run as they are, no copy
     merge_adapter: bool = False
+    # true: each decode step of the static loop (decode=static or static_eager, batches of 2 rows or more)
+    # runs one torch.compile graph of the whole model forward, its batch and slot count dynamic, so that
+    # inductor fuses each layer's norms, rotary embedding, activation and residual adds: fewer kernels per
+    # step where a small model's step is launch-bound. It compiles in the first request (the engine-gap
+    # gate); `ppo.compile_cache` keeps it with the artifacts. false: the step runs eager
+    compile_decode: bool = False
 
 
 # --------------------------------------------------------------------------- topology

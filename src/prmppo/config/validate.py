@@ -145,6 +145,8 @@ def _check_in_process(problems: list[str], cfg: DictConfig) -> None:
     if cfg.topology.name == "fsdp":
         problems.append("rollout=inprocess with topology=fsdp: rank 0 alone samples, and a sharded model's forward "
                         "needs every rank; use rollout=hf (the engine on its own GPU) or one process (topology=gpu)")
+    if rollout.compile_decode and rollout.decode == "dynamic":
+        problems.append("rollout.compile_decode=true with rollout.decode=dynamic: use static or static_eager")
 
 
 def _check_sft_eval_canary(problems: list[str], cfg: DictConfig) -> None:
@@ -341,18 +343,17 @@ def _inert_prm_train(cfg: DictConfig, reward) -> list[str]:
 def inert_keys(cfg: DictConfig) -> list[str]:
     """Keys this run's code never reads under its own config, so a sweep over them repeats the same run.
 
-    The reward says which of its keys it ignores (`inert_keys`: `reward.eta` is only the `clip`
-    transform's threshold, `reward.min_form_temperature` only `min_form`'s); the critic's keys only
-    for `ppo.advantage_estimator=gae` (rloo / grpo build no critic); `ppo.group_std_floor` and
-    `ppo.group_same_tol` only for grpo; a KL estimator only when its coefficient is above 0; `lora.dropout` never (the no-grad
-    pass and the update both run with dropout off, ppo/loop.py, and the engines serve merged or
-    dropout-free adapters); the canary's check keys only when `canary.every` > 0, the test
-    evaluation's during-PPO keys only when `eval.every` > 0; `prm_train` only where a PRM is trained
-    (`_inert_prm_train`); vLLM's memory share only under `rollout=vllm`, the built-in engine's decode
-    loop only under `rollout=hf`; the band's measurement keys only when a band is measured
-    (`stage=band` or `band.enabled`); the model's chat template settings only under task=jsonl.
-    Recorded in `stage_result.json`, warned about when swept, and used by `prmppo.report` so that such
-    a key does not split a group.
+    The reward says which of its keys it ignores (`inert_keys`: `reward.eta` is only the `clip` transform's
+    threshold, `reward.min_form_temperature` only `min_form`'s); the critic's keys only for
+    `ppo.advantage_estimator=gae` (rloo / grpo build no critic); `ppo.group_std_floor` and `ppo.group_same_tol`
+    only for grpo; a KL estimator only when its coefficient is above 0; `lora.dropout` never (the no-grad pass
+    and the update both run with dropout off, ppo/loop.py, and the engines serve merged or dropout-free
+    adapters); the canary's check keys only when `canary.every` > 0, the test evaluation's during-PPO keys only
+    when `eval.every` > 0; `prm_train` only where a PRM is trained (`_inert_prm_train`); vLLM's memory share
+    only under `rollout=vllm`, the built-in engine's decode loop only under `rollout=hf`; the band's
+    measurement keys only when a band is measured (`stage=band` or `band.enabled`); the model's chat template
+    settings only under task=jsonl. Recorded in `stage_result.json`, warned about when swept, and used by
+    `prmppo.report` so that such a key does not split a group.
     """
     ppo = cfg.ppo
     reward = build_quietly(cfg.reward, seed=cfg.seed)

@@ -56,13 +56,19 @@ class Decoding:
     unfinished) and `prefill_tokens` (padded tokens per prefill forward) tune the static loop.
     """
 
-    def __init__(self, decode: str = "static", done_check_every: int = 8, prefill_tokens: int = 16384) -> None:
+    def __init__(self, decode: str = "static", done_check_every: int = 8, prefill_tokens: int = 16384,
+                 compile_decode: bool = False) -> None:
         if decode not in DECODE_MODES:
             raise ValueError(f"decode={decode!r} is invalid; valid: {list(DECODE_MODES)}")
         for name, value in (("done_check_every", done_check_every), ("prefill_tokens", prefill_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} is invalid; it must be an integer >= 1")
+        if not isinstance(compile_decode, bool):
+            raise ValueError(f"compile_decode={compile_decode!r} is invalid; it must be true or false")
+        if compile_decode and decode == "dynamic":
+            raise ValueError("compile_decode=true compiles the static loop's decode step: decode=dynamic has none")
         self.decode, self.done_check_every, self.prefill_tokens = decode, done_check_every, prefill_tokens
+        self.compile_decode = compile_decode
         self.decoder: StaticDecoder | None = None  # its KV cache and CUDA graphs, kept while it fits
         self.last_loop: str | None = None  # the loop the last generate ran
 
@@ -121,7 +127,7 @@ class Decoding:
             LOG.warning("decode=%s cannot run this model (%s); sampling with the dynamic cache", self.decode, reason)
             return None
         use_graphs = self.decode == "static" and torch.device(device).type == "cuda"
-        self.decoder = StaticDecoder(model, rows, slots, use_graphs, self.prefill_tokens)
+        self.decoder = StaticDecoder(model, rows, slots, use_graphs, self.prefill_tokens, self.compile_decode)
         return self.decoder
 
 

@@ -61,14 +61,15 @@ def find_adapter_dir(path: str | Path) -> Path:
 class HFEngine:
     """A Hugging Face causal LM that serves base / checkpoint / adapter weights and samples.
 
-    `decode`, `done_check_every` and `prefill_tokens` are the sampling loop's (`decoding.Decoding`).
+    `decode`, `done_check_every`, `prefill_tokens` and `compile_decode` are the sampling loop's
+    (`decoding.Decoding`).
     """
 
     def __init__(self, base_model_dir: str, device: str = "cpu", dtype: str = "float32", decode: str = "static",
-                 done_check_every: int = 8, prefill_tokens: int = 16384) -> None:
+                 done_check_every: int = 8, prefill_tokens: int = 16384, compile_decode: bool = False) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r} is invalid; valid: {sorted(DTYPES)}")
-        self._sampler = Decoding(decode, done_check_every, prefill_tokens)  # checks its arguments
+        self._sampler = Decoding(decode, done_check_every, prefill_tokens, compile_decode)  # checks its arguments
         if not (Path(base_model_dir) / "config.json").is_file():
             raise FileNotFoundError(
                 f"base_model_dir={base_model_dir!r} has no config.json (need an HF-layout dir)"

@@ -37,7 +37,9 @@ CUDA, grouped decode attention), under `torch.no_grad` with every module in eval
 module's own training flag put back afterwards (the policy keeps its gradient-checkpointed layers
 marked as training, and transformers drops the KV cache of a checkpointed layer in training mode).
 Decoder layers compiled for the update (`ppo.compile`) run their eager forward here: decode steps
-of one token would compile graphs of their own in the middle of the run.
+of one token would compile graphs of their own in the middle of the run. `rollout.compile_decode=true`
+compiles the decode step itself instead: one graph, its batch and slot count dynamic, made in the first
+request (`static_decode.compiled_forward_rows`).
 
 KV cache: allocated for each request from its rows and its longest prompt + `max_new_tokens`
 (rounded up to `decoding.SLOT_ROUNDING` slots) and released when the request returns, so the
@@ -79,7 +81,8 @@ class InProcessEngine:
     def __init__(self, engine: str, python: str, sync: str, sync_every_iterations: int, startup_timeout_s: float,
                  request_timeout_s: float, heartbeat_timeout_s: float, gpu_memory_utilization: float,
                  decode: str, standby: bool, *, model: nn.Module, spool_dir=None, base_model_dir=None, log_path=None,
-                 device=None, dtype=None, lora_rank=None, seed=None, merge_adapter: bool = False) -> None:
+                 device=None, dtype=None, lora_rank=None, seed=None, merge_adapter: bool = False,
+                 compile_decode: bool = False) -> None:
         # the worker's keys (its interpreter, timeouts, memory share, standby) and the arguments a run gives a
         # worker (spool, base checkpoint, log, engine device, dtype, LoRA rank, seed) mean nothing here: the
         # engine runs in this process, on the device and in the dtype `model` has
@@ -99,7 +102,7 @@ class InProcessEngine:
             raise ValueError(f"rollout.merge_adapter={merge_adapter!r} must be true or false")
         self.merge_adapter = merge_adapter
         self.last_merged = 0  # LoRA linears the last request ran merged
-        self._sampler = Decoding(decode)
+        self._sampler = Decoding(decode, compile_decode=compile_decode)  # checks both
         self._served: WeightsSpec | None = None
 
     # ------------------------------------------------------------------ the worker client's lifecycle
