@@ -8,15 +8,17 @@
 # Steps:
 #   models   the Qwen2-0.5B and Qwen2-7B shapes (scripts/make_shape_model.py; 7B initialised on the GPU)
 #   imports  the bare import of torch, transformers and peft, three fresh processes
-#   trl05    0.5B: prmppo (compiled layers, rollout=inprocess, micro-batches of 64) against TRL's
+#   trl05    0.5B: prmppo (compiled layers, rollout=inprocess with the adapter merged and the decode step
+#            compiled, micro-batches of 64) against TRL's
 #            GRPOTrainer, both gradient-checkpointed, 5 iterations each (the median of iterations 2-5),
 #            TORCH_LOGS=$CACHE_LOGS, so that a compile after the first iteration, and each graph's cache
 #            outcome, show in the log
-#   gen05    0.5B generation at 256 rows against the decode step's memory-bandwidth bound (gpu_bench.py)
+#   gen05    0.5B generation at 256 rows against the decode step's memory-bandwidth bound (gpu_bench.py),
+#            the static loop eager and with its decode step compiled
 #   gen7b    the same at the 7B shape
 #   warm05   the prmppo side of trl05 again, 2 iterations, with empty local inductor and triton caches and
 #            trl05's artifacts dir: the start-up when the compile cache kept with the artifacts is warm
-#   eager05  the prmppo side without compiled layers, 2 iterations: the start-up without compile
+#   eager05  the prmppo side with nothing compiled (layers, decode step), 2 iterations: the start-up without compile
 #   nomerge05 the prmppo side of trl05 with rollout.merge_adapter=false (the default: the LoRA branches run in
 #            every decode step; the 0.5B steps above merge), 5 iterations, the local compile caches trl05 left
 #   mfu05    the update alone (gpu_update_bench.py: LoRA r 16 on every linear, compiled layers): its MFU
@@ -82,7 +84,8 @@ CACHE_LOGS=recompiles,dynamo,torch._functorch._aot_autograd.autograd_cache,torch
 COMPILED=(--prmppo-override ppo.compile=true --prmppo-override ppo.compile_cache=true)
 SHAPE05_BRANCHES=(--model "$WORK/q05" --data-dir "$DATA" --gradient-checkpointing on --engine inprocess --sync none
                   --prmppo-override ppo.micro_batch_rows=64)
-SHAPE05=("${SHAPE05_BRANCHES[@]}" --prmppo-override rollout.merge_adapter=true)
+SHAPE05_EAGER=("${SHAPE05_BRANCHES[@]}" --prmppo-override rollout.merge_adapter=true)  # nothing compiled
+SHAPE05=("${SHAPE05_EAGER[@]}" --prmppo-override rollout.compile_decode=true)
 
 models05() { python3 scripts/make_shape_model.py --out "$WORK/q05" --data-dir "$DATA"; }
 
@@ -91,16 +94,17 @@ step models05 60 models05 || { log "models05 failed"; }
 step imports 40 imports
 TORCH_LOGS=$CACHE_LOGS step trl05 280 python3 benchmarks/trl_compare.py "${SHAPE05[@]}" "${COMPILED[@]}" \
   --iterations 5 --sides prmppo,trl --out "$WORK/trl05"
-step gen05 50 python3 benchmarks/gpu_bench.py --model "$WORK/q05" --data-dir "$DATA" --rows 256 --decode static \
-  --repeats 2 --out "$WORK/gen05"
+step gen05 110 python3 benchmarks/gpu_bench.py --model "$WORK/q05" --data-dir "$DATA" --rows 256 --decode static \
+  --compile-decode --repeats 2 --out "$WORK/gen05"
 step gen7b 110 python3 benchmarks/gpu_bench.py --model "$WORK/q7b" --data-dir "$DATA" --rows 256 --decode static \
   --repeats 1 --out "$WORK/gen7b"
 mkdir -p "$WORK/warm_inductor" "$WORK/warm_triton"
 TORCHINDUCTOR_CACHE_DIR=$WORK/warm_inductor TRITON_CACHE_DIR=$WORK/warm_triton TORCH_LOGS=$CACHE_LOGS \
   step warm05 90 python3 benchmarks/trl_compare.py "${SHAPE05[@]}" "${COMPILED[@]}" --iterations 2 --sides prmppo \
   --prmppo-override "artifacts_dir=$WORK/trl05/prmppo/artifacts" --out "$WORK/warm05"
-step eager05 60 python3 benchmarks/trl_compare.py "${SHAPE05[@]}" --iterations 2 --sides prmppo --out "$WORK/eager05"
+step eager05 60 python3 benchmarks/trl_compare.py "${SHAPE05_EAGER[@]}" --iterations 2 --sides prmppo --out "$WORK/eager05"
 TORCH_LOGS=recompiles step nomerge05 100 python3 benchmarks/trl_compare.py "${SHAPE05_BRANCHES[@]}" "${COMPILED[@]}" \
+  --prmppo-override rollout.compile_decode=true \
   --iterations 5 --sides prmppo --out "$WORK/nomerge05"
 step prof05 200 python3 benchmarks/iteration_profile.py --out "$WORK/prof05" --profile-iteration 2 -- \
   "${SHAPE05[@]}" "${COMPILED[@]}" --iterations 4

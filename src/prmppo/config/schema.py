@@ -290,7 +290,7 @@ class InProcessRolloutConfig(RolloutConfig):
     # runs one torch.compile graph of the whole model forward, its batch and slot count dynamic, so that
     # inductor fuses each layer's norms, rotary embedding, activation and residual adds: fewer kernels per
     # step where a small model's step is launch-bound. It compiles in the first request (the engine-gap
-    # gate); `ppo.compile_cache` keeps it with the artifacts. false: the step runs eager
+    # gate); with ppo.compile=true, `ppo.compile_cache` keeps it with the artifacts. false: the step runs eager
     compile_decode: bool = False
 
 
