@@ -121,6 +121,7 @@ def test_schema_rejects_at_compose_time(override, fragment):
     (["rollout=inprocess", "rollout.sync_every_iterations=2"], ["rollout.sync_every_iterations=2", "use 1"]),
     (["rollout=inprocess", "rollout.decode=dynamic", "rollout.compile_decode=true"],
      ["rollout.compile_decode=true with rollout.decode=dynamic", "static or static_eager"]),
+    (["rollout.decode=dynamic", "rollout.compile_decode=true"], ["rollout.compile_decode=true with rollout.decode"]),
     (["rollout=inprocess", "topology=fsdp", "stage=ppo"], ["rollout=inprocess with topology=fsdp", "rollout=hf"]),
     (["rollout.sync=none"], ["rollout.sync=none with rollout=hf", "rollout=inprocess"]),
     (["rollout.engine=inprocess"], ["rollout.engine=inprocess under a worker's rollout config",

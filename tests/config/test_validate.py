@@ -59,8 +59,8 @@ def test_prm_train_is_read_where_a_prm_is_trained(overrides):
 
 def test_each_engine_leaves_the_others_key_inert():
     assert "rollout.gpu_memory_utilization" in _inert("rollout=hf")
-    assert "rollout.decode" not in _inert("rollout=hf")
-    assert "rollout.decode" in _inert("rollout=vllm")
+    assert not {"rollout.decode", "rollout.compile_decode"} & set(_inert("rollout=hf"))
+    assert {"rollout.decode", "rollout.compile_decode"} <= set(_inert("rollout=vllm"))
     assert "rollout.gpu_memory_utilization" not in _inert("rollout=vllm")
 
 
@@ -68,5 +68,5 @@ def test_in_process_engine_leaves_the_workers_keys_inert():
     inert = _inert("rollout=inprocess")
     assert {"rollout.python", "rollout.standby", "rollout.request_timeout_s", "topology.engine_device",
             "rollout.gpu_memory_utilization"} <= set(inert)
-    assert "rollout.decode" not in inert  # it runs the built-in engine's loop
+    assert not {"rollout.decode", "rollout.compile_decode"} & set(inert)  # it runs the built-in engine's loop
     assert "rollout.python" not in _inert("rollout=hf")

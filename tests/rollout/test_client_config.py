@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from conftest import compose_config
 from prmppo.config.build import build
 from prmppo.models.loading import HFDirSource
 from prmppo.models.tiny import TinyModelSource
+from prmppo.rollout import static_decode
 from prmppo.rollout.client import RolloutClient
+from prmppo.rollout.worker import build_engine
+from rollout.test_hf_engine import EOS, PAD, PROMPTS, save_tiny_model
 
 
 def _client(tmp_path, overrides):
@@ -22,14 +26,35 @@ def _client(tmp_path, overrides):
 def test_client_takes_every_timeout_from_the_config(tmp_path):
     cfg, client = _client(tmp_path, ["rollout.request_timeout_s=77"])
     assert isinstance(client, RolloutClient) and client.engine == "hf"
-    assert client.engine_options == {"decode": "static"}
+    assert client.engine_options == {"decode": "static", "compile_decode": False}
     assert (client.startup_timeout_s, client.request_timeout_s, client.heartbeat_timeout_s) == (
         cfg.rollout.startup_timeout_s, 77, cfg.rollout.heartbeat_timeout_s)
 
 
 def test_hf_client_passes_the_decode_loop(tmp_path):
     _, client = _client(tmp_path, ["rollout.decode=dynamic"])
-    assert client.engine_options == {"decode": "dynamic"}
+    assert client.engine_options == {"decode": "dynamic", "compile_decode": False}
+
+
+def test_the_worker_engine_built_from_the_clients_options_compiles_its_decode_step(tmp_path, monkeypatch):
+    """rollout=hf rollout.compile_decode=true: the options the client sends (through JSON, as the worker reads
+    them) build an engine whose decode step dynamo traces, sampling the eager engine's tokens."""
+    graphs = []
+    torch._dynamo.reset()
+    monkeypatch.setattr(static_decode, "COMPILE_BACKEND", lambda gm, inputs: graphs.append(gm) or gm.forward)
+    monkeypatch.setattr(static_decode, "_COMPILED_FORWARD_ROWS", None)
+    _, client = _client(tmp_path, ["rollout.decode=static_eager", "rollout.compile_decode=true"])
+    options = json.loads(json.dumps(client.engine_options))
+    assert options == {"decode": "static_eager", "compile_decode": True}
+    model_dir = save_tiny_model(tmp_path / "model", seed=0)
+    compiled = build_engine("hf", model_dir, "cpu", "float32", options)
+    eager = build_engine("hf", model_dir, "cpu", "float32", {**options, "compile_decode": False})
+    want = eager.generate(PROMPTS, 3, 8, 1.0, 1.0, 4, EOS, PAD)
+    assert not graphs
+    got = compiled.generate(PROMPTS, 3, 8, 1.0, 1.0, 4, EOS, PAD)
+    assert graphs and got[0] == want[0]
+    for got_row, want_row in zip(got[1], want[1]):
+        assert got_row == pytest.approx(want_row, abs=1e-5)
 
 
 def test_client_has_no_timeout_defaults_of_its_own(tmp_path):

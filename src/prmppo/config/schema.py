@@ -264,6 +264,13 @@ class RolloutConfig:
     # graphs on CUDA) | static_eager (the same without CUDA graphs) | dynamic (the model's own growing
     # cache, every row fed until all are done: the fallback); rollout/hf_engine.py
     decode: str = "static"
+    # hf and inprocess: true: each decode step of the static loop (decode=static or static_eager, batches
+    # of 2 rows or more) runs one torch.compile graph of the whole model forward, its batch and slot count
+    # dynamic, so that inductor fuses each layer's norms, rotary embedding, activation and residual adds:
+    # fewer kernels per step where a small model's step is launch-bound. It compiles in the first request
+    # (the engine-gap gate); under rollout=inprocess with ppo.compile=true, `ppo.compile_cache` keeps it
+    # with the artifacts (a worker compiles from its machine's own caches). false: the step runs eager
+    compile_decode: bool = False
     # hf only: `python -m prmppo stage=ppo` starts the worker process as soon as the config is composed,
     # so that its imports (torch, transformers, peft, the model's module) run beside the trainer's;
     # the run hands it its arguments when it launches the engine (rollout/standby.py)
@@ -273,8 +280,8 @@ class RolloutConfig:
 @dataclass
 class InProcessRolloutConfig(RolloutConfig):
     # the engine in the trainer's process, sampling with the trainer's own policy model: no worker, no
-    # second copy of the weights (`rollout/inprocess.py`); of the keys above it reads `decode` only;
-    # merge_adapter is its own
+    # second copy of the weights (`rollout/inprocess.py`); of the keys above it reads `decode` and
+    # `compile_decode` only; merge_adapter is its own
     _target_: str = "prmppo.rollout.inprocess.InProcessEngine"
     engine: str = "inprocess"
     # none: the engine sees the trainer's weights as they are (nothing to ship); it must be, with
@@ -286,12 +293,6 @@ class InProcessRolloutConfig(RolloutConfig):
     # shape on an H200 the copy raised the run's peak to 34.8 GiB (benchmarks/RESULTS.md). false (the
     # default: this engine is for runs the weights' memory limits): the branches run as they are, no copy
     merge_adapter: bool = False
-    # true: each decode step of the static loop (decode=static or static_eager, batches of 2 rows or more)
-    # runs one torch.compile graph of the whole model forward, its batch and slot count dynamic, so that
-    # inductor fuses each layer's norms, rotary embedding, activation and residual adds: fewer kernels per
-    # step where a small model's step is launch-bound. It compiles in the first request (the engine-gap
-    # gate); with ppo.compile=true, `ppo.compile_cache` keeps it with the artifacts. false: the step runs eager
-    compile_decode: bool = False
 
 
 # --------------------------------------------------------------------------- topology

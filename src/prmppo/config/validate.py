@@ -78,9 +78,8 @@ def _check_ppo_ranges(problems: list[str], ppo: DictConfig) -> None:
 def _check_ppo_estimators(problems: list[str], ppo: DictConfig) -> None:
     """The KL terms and the advantage estimator against the keys they need."""
     if ppo.value_warmup_iterations >= ppo.iterations > 0:
-        problems.append(
-            f"ppo.value_warmup_iterations={ppo.value_warmup_iterations} leaves no policy iteration "
-            f"out of ppo.iterations={ppo.iterations}")
+        problems.append(f"ppo.value_warmup_iterations={ppo.value_warmup_iterations} leaves no policy iteration "
+                        f"out of ppo.iterations={ppo.iterations}")
     if ppo.kl_coef < 0:
         problems.append(f"ppo.kl_coef={ppo.kl_coef} must be >= 0")
     if ppo.kl_loss_coef < 0:
@@ -114,6 +113,8 @@ def _check_rollout(problems: list[str], cfg: DictConfig) -> None:
     if cfg.rollout.engine == "vllm" and cfg.rollout.sync == "shared":
         problems.append("rollout=vllm with rollout.sync=shared: only the built-in engine (rollout=hf) maps the "
                         "trainer's shared weights; use rollout.sync=checkpoint or adapter")
+    if cfg.rollout.compile_decode and cfg.rollout.decode == "dynamic" and cfg.rollout.engine != "vllm":
+        problems.append("rollout.compile_decode=true with rollout.decode=dynamic: use static or static_eager")
     _check_in_process(problems, cfg)
 
 
@@ -145,8 +146,6 @@ def _check_in_process(problems: list[str], cfg: DictConfig) -> None:
     if cfg.topology.name == "fsdp":
         problems.append("rollout=inprocess with topology=fsdp: rank 0 alone samples, and a sharded model's forward "
                         "needs every rank; use rollout=hf (the engine on its own GPU) or one process (topology=gpu)")
-    if rollout.compile_decode and rollout.decode == "dynamic":
-        problems.append("rollout.compile_decode=true with rollout.decode=dynamic: use static or static_eager")
 
 
 def _check_sft_eval_canary(problems: list[str], cfg: DictConfig) -> None:
@@ -345,15 +344,15 @@ def inert_keys(cfg: DictConfig) -> list[str]:
 
     The reward says which of its keys it ignores (`inert_keys`: `reward.eta` is only the `clip` transform's
     threshold, `reward.min_form_temperature` only `min_form`'s); the critic's keys only for
-    `ppo.advantage_estimator=gae` (rloo / grpo build no critic); `ppo.group_std_floor` and `ppo.group_same_tol`
-    only for grpo; a KL estimator only when its coefficient is above 0; `lora.dropout` never (the no-grad pass
-    and the update both run with dropout off, ppo/loop.py, and the engines serve merged or dropout-free
-    adapters); the canary's check keys only when `canary.every` > 0, the test evaluation's during-PPO keys only
-    when `eval.every` > 0; `prm_train` only where a PRM is trained (`_inert_prm_train`); vLLM's memory share
-    only under `rollout=vllm`, the built-in engine's decode loop only under `rollout=hf`; the band's
-    measurement keys only when a band is measured (`stage=band` or `band.enabled`); the model's chat template
-    settings only under task=jsonl. Recorded in `stage_result.json`, warned about when swept, and used by
-    `prmppo.report` so that such a key does not split a group.
+    `ppo.advantage_estimator=gae` (rloo / grpo build no critic); `ppo.group_std_floor` and
+    `ppo.group_same_tol` only for grpo; a KL estimator only when its coefficient is above 0; `lora.dropout`
+    never (the no-grad pass and the update both run with dropout off, ppo/loop.py, and the engines serve
+    merged or dropout-free adapters); the canary's check keys only when `canary.every` > 0, the test
+    evaluation's during-PPO keys only when `eval.every` > 0; `prm_train` only where a PRM is trained
+    (`_inert_prm_train`); vLLM's memory share only under `rollout=vllm`, the decode loop and its compile never
+    under it; the band's measurement keys only when a band is measured (`stage=band` or `band.enabled`); the
+    model's chat template settings only under task=jsonl. Recorded in `stage_result.json`, warned about when
+    swept, and used by `prmppo.report` so that such a key does not split a group.
     """
     ppo = cfg.ppo
     reward = build_quietly(cfg.reward, seed=cfg.seed)
@@ -373,7 +372,8 @@ def inert_keys(cfg: DictConfig) -> list[str]:
     if cfg.eval.every == 0:
         inert += [f"eval.{key}" for key in TEST_EVAL_DURING_PPO_KEYS]
     inert += _inert_prm_train(cfg, reward)
-    inert.append("rollout.decode" if cfg.rollout.engine == "vllm" else "rollout.gpu_memory_utilization")
+    vllm = cfg.rollout.engine == "vllm"
+    inert += ["rollout.decode", "rollout.compile_decode"] if vllm else ["rollout.gpu_memory_utilization"]
     if cfg.rollout.engine == "inprocess":  # no worker: its interpreter, timeouts and standby are never read
         inert += [f"rollout.{key}" for key in WORKER_KEYS] + ["topology.engine_device"]
     if not (cfg.band.enabled or cfg.stage.name == "band"):

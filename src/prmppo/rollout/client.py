@@ -378,23 +378,22 @@ class RolloutClient:
 
 def rollout_client(engine: str, python: str, sync: str, sync_every_iterations: int, startup_timeout_s: float,
                    request_timeout_s: float, heartbeat_timeout_s: float, gpu_memory_utilization: float,
-                   decode: str, standby: bool, *,
+                   decode: str, compile_decode: bool, standby: bool, *,
                    spool_dir: str | os.PathLike, base_model_dir: str | os.PathLike, log_path: str | os.PathLike,
                    device: str, dtype: str, lora_rank: int, seed: int) -> RolloutClient:
     """The (not yet started) worker client a run's `rollout` config node describes: that node's `_target_`.
 
-    The run passes what only it knows (spool, base checkpoint, log, engine device, dtype, the LoRA
-    rank and the seed). vLLM gets its memory share, the seed, and the LoRA rank to reserve when
-    adapters are synced (`sync=adapter`; 0 otherwise); the built-in engine gets its `decode` loop.
-    `sync_every_iterations` belongs to the weight
-    sync (`ppo/sync.py WeightSync`), which reads the same node.
+    The run passes what only it knows (spool, base checkpoint, log, engine device, dtype, the LoRA rank and
+    the seed). vLLM gets its memory share, the seed, and the LoRA rank to reserve when adapters are synced
+    (`sync=adapter`; 0 otherwise); the built-in engine gets its `decode` loop and `compile_decode` (vLLM
+    reads neither). `sync_every_iterations` belongs to the weight sync (`ppo/sync.py WeightSync`).
     """
     del sync_every_iterations, standby  # the weight sync's, and the entry point's (rollout/standby.py)
     if engine == "vllm":
         options = {"gpu_memory_utilization": gpu_memory_utilization, "seed": seed,
                    "max_lora_rank": lora_rank if sync == "adapter" else 0}
     else:
-        options = {"decode": decode}
+        options = {"decode": decode, "compile_decode": compile_decode}
     return RolloutClient(spool_dir, engine, base_model_dir, log_path, startup_timeout_s=startup_timeout_s,
                          request_timeout_s=request_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
                          device=device, dtype=dtype, python=resolve_python(python), engine_options=options)

@@ -80,9 +80,9 @@ class InProcessEngine:
 
     def __init__(self, engine: str, python: str, sync: str, sync_every_iterations: int, startup_timeout_s: float,
                  request_timeout_s: float, heartbeat_timeout_s: float, gpu_memory_utilization: float,
-                 decode: str, standby: bool, *, model: nn.Module, spool_dir=None, base_model_dir=None, log_path=None,
-                 device=None, dtype=None, lora_rank=None, seed=None, merge_adapter: bool = False,
-                 compile_decode: bool = False) -> None:
+                 decode: str, compile_decode: bool, standby: bool, *, model: nn.Module, spool_dir=None,
+                 base_model_dir=None, log_path=None, device=None, dtype=None, lora_rank=None, seed=None,
+                 merge_adapter: bool = False) -> None:
         # the worker's keys (its interpreter, timeouts, memory share, standby) and the arguments a run gives a
         # worker (spool, base checkpoint, log, engine device, dtype, LoRA rank, seed) mean nothing here: the
         # engine runs in this process, on the device and in the dtype `model` has
