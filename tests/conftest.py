@@ -200,3 +200,18 @@ class GraphCounter:
     def __call__(self, gm, example_inputs):
         self.graphs.append(gm)
         return gm.forward
+
+
+@pytest.fixture
+def decode_step_graphs(monkeypatch) -> GraphCounter:
+    """The compiled decode step (`rollout.compile_decode`) traced by a `GraphCounter` instead of inductor, from
+    a dynamo with no graphs of earlier tests (they are keyed by the same code object)."""
+    import torch
+
+    from prmppo.rollout import static_decode
+
+    counter = GraphCounter()
+    torch._dynamo.reset()
+    monkeypatch.setattr(static_decode, "COMPILE_BACKEND", counter)
+    monkeypatch.setattr(static_decode, "_COMPILED_FORWARD_ROWS", None)
+    return counter

@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from conftest import compose_config
 from prmppo.config.build import build
 from prmppo.models.loading import HFDirSource
 from prmppo.models.tiny import TinyModelSource
-from prmppo.rollout import static_decode
 from prmppo.rollout.client import RolloutClient
 from prmppo.rollout.worker import build_engine
 from rollout.test_hf_engine import EOS, PAD, PROMPTS, save_tiny_model
@@ -36,13 +34,10 @@ def test_hf_client_passes_the_decode_loop(tmp_path):
     assert client.engine_options == {"decode": "dynamic", "compile_decode": False}
 
 
-def test_the_worker_engine_built_from_the_clients_options_compiles_its_decode_step(tmp_path, monkeypatch):
+def test_the_worker_engine_built_from_the_clients_options_compiles_its_decode_step(tmp_path, decode_step_graphs):
     """rollout=hf rollout.compile_decode=true: the options the client sends (through JSON, as the worker reads
     them) build an engine whose decode step dynamo traces, sampling the eager engine's tokens."""
-    graphs = []
-    torch._dynamo.reset()
-    monkeypatch.setattr(static_decode, "COMPILE_BACKEND", lambda gm, inputs: graphs.append(gm) or gm.forward)
-    monkeypatch.setattr(static_decode, "_COMPILED_FORWARD_ROWS", None)
+    graphs = decode_step_graphs.graphs
     _, client = _client(tmp_path, ["rollout.decode=static_eager", "rollout.compile_decode=true"])
     options = json.loads(json.dumps(client.engine_options))
     assert options == {"decode": "static_eager", "compile_decode": True}

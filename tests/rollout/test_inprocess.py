@@ -17,7 +17,6 @@ from transformers import MistralConfig, MistralForCausalLM
 from conftest import compose_config
 from prmppo.config.build import build
 from prmppo.models.policy import FullPolicy, LoraPolicy
-from prmppo.rollout import static_decode
 from prmppo.rollout.hf_engine import HFEngine
 from prmppo.rollout.protocol import RolloutRequest, RolloutWorkerError, WeightsSpec
 
@@ -249,18 +248,11 @@ def test_samples_without_dropout_puts_training_flags_back_and_runs_compiled_laye
 
 
 @pytest.mark.parametrize("merge", [True, False], ids=["merged", "branches"])
-def test_compiled_decode_step_samples_what_the_eager_step_samples_on_the_lora_policy(base_dir, merge, monkeypatch):
+def test_compiled_decode_step_samples_what_the_eager_step_samples_on_the_lora_policy(base_dir, merge,
+                                                                                     decode_step_graphs):
     """rollout.compile_decode=true from the config node: the decode step of the peft model (adapter merged or
     through its branches) is traced by dynamo and samples the eager engine's tokens."""
-    graphs = []
-
-    def counting_backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    torch._dynamo.reset()
-    monkeypatch.setattr(static_decode, "COMPILE_BACKEND", counting_backend)
-    monkeypatch.setattr(static_decode, "_COMPILED_FORWARD_ROWS", None)
+    graphs = decode_step_graphs.graphs
     policy = lora_policy(base_dir)
     eager = in_process_engine(policy.model, merge=merge).generate(request())
     assert not graphs

@@ -167,18 +167,10 @@ def test_prefill_runs_each_prompt_once_and_copies_it_to_its_samples(tmp_path, mo
     assert once.positions[:9, 0].tolist() == [7, 7, 7, 3, 3, 3, 1, 1, 1]
 
 
-def test_compiled_decode_step_samples_what_the_eager_step_samples_with_one_graph(tmp_path, monkeypatch):
+def test_compiled_decode_step_samples_what_the_eager_step_samples_with_one_graph(tmp_path, monkeypatch,
+                                                                                  decode_step_graphs):
     """rollout.compile_decode: every bucket of 2 rows or more, and every cache length, runs one dynamo
     graph (a graph more would be a compile in the middle of a run); the tokens are those of the eager step."""
-    graphs = []
-
-    def counting_backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward  # runs the traced graph as it is: what is compiled is the count's business
-
-    torch._dynamo.reset()  # graphs of earlier tests are keyed by the same code object
-    monkeypatch.setattr(static_decode, "COMPILE_BACKEND", counting_backend)
-    monkeypatch.setattr(static_decode, "_COMPILED_FORWARD_ROWS", None)
     model = HFEngine(save_tiny_model(tmp_path, seed=0, eos_logit_scale=0.41)).model
     buckets, outputs = [], {False: [], True: []}
     original_step = static_decode.StaticDecoder.step
@@ -193,7 +185,7 @@ def test_compiled_decode_step_samples_what_the_eager_step_samples_with_one_graph
                 outputs[compile_decode].append(static_decode.sample_static(
                     decoder, rows, 12, 1.0, 1.0, torch.Generator().manual_seed(0), EOS, PAD, 1))
     assert len({bucket for bucket in buckets if bucket > 1}) >= 3, "too few buckets to show the graph is shared"
-    assert len(graphs) == 1
+    assert len(decode_step_graphs.graphs) == 1
     for (tokens, logprobs, done), (want_tokens, want_logprobs, want_done) in zip(outputs[True], outputs[False]):
         assert torch.equal(tokens, want_tokens) and torch.equal(done, want_done)
         torch.testing.assert_close(logprobs, want_logprobs)
