@@ -208,10 +208,10 @@ def decode_step_graphs(monkeypatch) -> GraphCounter:
     a dynamo with no graphs of earlier tests (they are keyed by the same code object)."""
     import torch
 
-    from prmppo.rollout import static_decode
+    from prmppo.rollout import compiled_decode
 
     counter = GraphCounter()
     torch._dynamo.reset()
-    monkeypatch.setattr(static_decode, "COMPILE_BACKEND", counter)
-    monkeypatch.setattr(static_decode, "_COMPILED_FORWARD_ROWS", None)
+    monkeypatch.setattr(compiled_decode, "COMPILE_BACKEND", counter)
+    monkeypatch.setattr(compiled_decode, "_COMPILED_LAYER_STEP", None)
     return counter

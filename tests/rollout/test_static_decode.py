@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from prmppo.rollout import static_decode
+from prmppo.rollout import compiled_decode, static_decode
 from prmppo.rollout.hf_engine import HFEngine
 from prmppo.rollout.sampling import next_tokens, sample_tokens
 from prmppo.rollout.static_decode import bucket_sizes, prefill_chunks
@@ -169,13 +169,17 @@ def test_prefill_runs_each_prompt_once_and_copies_it_to_its_samples(tmp_path, mo
 
 def test_compiled_decode_step_samples_what_the_eager_step_samples_with_one_graph(tmp_path, monkeypatch,
                                                                                   decode_step_graphs):
-    """rollout.compile_decode: every bucket of 2 rows or more, and every cache length, runs one dynamo
-    graph (a graph more would be a compile in the middle of a run); the tokens are those of the eager step."""
+    """rollout.compile_decode: every decoder layer, every bucket of 2 rows or more and every cache length run one
+    dynamo graph, a layer's (a graph more would be a compile in the middle of a run, or a layer traced apart at
+    every start-up); the tokens are those of the eager step."""
     model = HFEngine(save_tiny_model(tmp_path, seed=0, eos_logit_scale=0.41)).model
-    buckets, outputs = [], {False: [], True: []}
-    original_step = static_decode.StaticDecoder.step
+    buckets, outputs, layers_called = [], {False: [], True: []}, set()
+    original_step, original_call = static_decode.StaticDecoder.step, compiled_decode._LayerCall.__call__
     monkeypatch.setattr(static_decode.StaticDecoder, "step",
                         lambda self, tokens, bucket: buckets.append(bucket) or original_step(self, tokens, bucket))
+    monkeypatch.setattr(compiled_decode._LayerCall, "__call__",
+                        lambda self, *args, **kwargs: layers_called.add(id(self.layer))
+                        or original_call(self, *args, **kwargs))
     for compile_decode in (False, True):
         for samples, slots in ((4, 128), (3, 256)):  # two batch sizes, two cache lengths
             rows = [prompt for prompt in PROMPTS + [[4, 4, 5, 6, 7, 8]] for _ in range(samples)]
@@ -185,7 +189,8 @@ def test_compiled_decode_step_samples_what_the_eager_step_samples_with_one_graph
                 outputs[compile_decode].append(static_decode.sample_static(
                     decoder, rows, 12, 1.0, 1.0, torch.Generator().manual_seed(0), EOS, PAD, 1))
     assert len({bucket for bucket in buckets if bucket > 1}) >= 3, "too few buckets to show the graph is shared"
-    assert len(decode_step_graphs.graphs) == 1
+    assert layers_called == {id(layer) for layer in model.model.layers}  # each layer's step ran compiled
+    assert len(decode_step_graphs.graphs) == 1  # one graph for every layer, bucket and cache length
     for (tokens, logprobs, done), (want_tokens, want_logprobs, want_done) in zip(outputs[True], outputs[False]):
         assert torch.equal(tokens, want_tokens) and torch.equal(done, want_done)
         torch.testing.assert_close(logprobs, want_logprobs)

@@ -264,10 +264,11 @@ class RolloutConfig:
     # graphs on CUDA) | static_eager (the same without CUDA graphs) | dynamic (the model's own growing
     # cache, every row fed until all are done: the fallback); rollout/hf_engine.py
     decode: str = "static"
-    # hf and inprocess: true: each decode step of the static loop (decode=static or static_eager, batches
-    # of 2 rows or more) runs one torch.compile graph of the whole model forward, its batch and slot count
-    # dynamic, so that inductor fuses each layer's norms, rotary embedding, activation and residual adds:
-    # fewer kernels per step where a small model's step is launch-bound. It compiles in the first request
+    # hf and inprocess: true: in each decode step of the static loop (decode=static or static_eager, batches
+    # of 2 rows or more) every decoder layer runs one torch.compile graph, a layer's, shared by all layers,
+    # its batch and slot count dynamic, so that inductor fuses each layer's norms, rotary embedding,
+    # activation and residual adds: fewer kernels per step where a small model's step is launch-bound
+    # (rollout/compiled_decode.py; dynamo traces one layer at start-up, not the model). It compiles in the first request
     # (the engine-gap gate); under rollout=inprocess with ppo.compile=true, `ppo.compile_cache` keeps it
     # with the artifacts (a worker compiles from its machine's own caches). false: the step runs eager
     compile_decode: bool = False

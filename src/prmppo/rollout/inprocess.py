@@ -39,7 +39,7 @@ marked as training, and transformers drops the KV cache of a checkpointed layer 
 Decoder layers compiled for the update (`ppo.compile`) run their eager forward here: decode steps
 of one token would compile graphs of their own in the middle of the run. `rollout.compile_decode=true`
 compiles the decode step itself instead: one graph, its batch and slot count dynamic, made in the first
-request (`static_decode.compiled_forward_rows`).
+request (`compiled_decode.py`: one graph of a decoder layer, shared by every layer).
 
 KV cache: allocated for each request from its rows and its longest prompt + `max_new_tokens`
 (rounded up to `decoding.SLOT_ROUNDING` slots) and released when the request returns, so the

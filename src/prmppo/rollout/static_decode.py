@@ -39,15 +39,15 @@ attention, and no sliding window shorter than the cache (the 4D mask has no wind
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 
 import torch
 
-from prmppo.rollout import grouped_attention
+from prmppo.rollout import compiled_decode, grouped_attention
 
 LOG = logging.getLogger(__name__)
-COMPILE_BACKEND = "inductor"  # of `compiled_forward_rows`
 
 
 class SlotCache:
@@ -61,7 +61,7 @@ class SlotCache:
     is_compileable = True
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], slots: torch.Tensor,
-                 seq_length: int | None) -> None:
+                 seq_length: int) -> None:
         self.keys, self.values, self.slots, self.seq_length = keys, values, slots, seq_length
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -70,10 +70,6 @@ class SlotCache:
         return self.keys[layer_idx], self.values[layer_idx]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        if self.seq_length is None:  # the compiled decode step: an int that changes every step would recompile it
-            raise RuntimeError("this transformers asks the KV cache for its length inside the decode step, which the "
-                               "compiled step does not pass (it would recompile every step): use "
-                               "rollout.compile_decode=false")
         return self.seq_length
 
     def __len__(self) -> int:
@@ -148,32 +144,18 @@ def weights_key(model) -> tuple[int, ...]:
     return tuple(parameter.data_ptr() for parameter in model.parameters())
 
 
-def forward_rows(model, cache_kwarg: str, keeps_logits: bool, keys: list[torch.Tensor], values: list[torch.Tensor],
-                 input_ids, positions, keep, slots, seq_length: int | None) -> torch.Tensor:
-    """One forward of `model` over the rows whose KV buffers are `keys`/`values` ([b, H_kv, S, d] each),
-    writing the new positions' keys and values at `slots` [q]; input_ids and positions [b, q], keep
-    [b, q, S] bool (the slots each query may attend to) -> the last position's logits [b, V]. `seq_length`:
-    what the cache answers `get_seq_length` (None: it raises)."""
-    dtype = keys[0].dtype
+def forward_rows(model, cache_kwarg: str, keeps_logits: bool, cache: SlotCache, input_ids, positions,
+                 keep) -> torch.Tensor:
+    """One forward of `model` over the rows whose KV buffers `cache` holds, writing the new positions' keys and
+    values at its slots; input_ids and positions [b, q], keep [b, q, S] bool (the slots each query may attend
+    to) -> the last position's logits [b, V]."""
+    dtype = cache.keys[0].dtype
     additive = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
     additive = additive.masked_fill(~keep, torch.finfo(dtype).min)[:, None]  # [b, 1, q, S]
-    cache = SlotCache(keys, values, slots, seq_length)
     extra = {"logits_to_keep": 1} if keeps_logits else {}
     out = model(input_ids=input_ids, position_ids=positions, use_cache=True, attention_mask=additive,
                 **{cache_kwarg: cache}, **extra)
     return out.logits[:, -1, :]
-
-
-_COMPILED_FORWARD_ROWS = None
-
-
-def compiled_forward_rows():
-    """`forward_rows` under `torch.compile` (one per process: dynamo keeps its graphs by code object, so
-    every decoder of the process shares them)."""
-    global _COMPILED_FORWARD_ROWS
-    if _COMPILED_FORWARD_ROWS is None:
-        _COMPILED_FORWARD_ROWS = torch.compile(forward_rows, backend=COMPILE_BACKEND)
-    return _COMPILED_FORWARD_ROWS
 
 
 class StaticDecoder:
@@ -190,6 +172,10 @@ class StaticDecoder:
         self.model, self.rows, self.slots_total = model, rows, slots_total
         self.device, self.dtype = first.device, first.dtype
         self.use_graphs, self.prefill_tokens, self.compile_decode = use_graphs, prefill_tokens, compile_decode
+        self.layers = compiled_decode.decoder_layers(model) if compile_decode else None
+        if compile_decode and self.layers is None:
+            raise ValueError(f"rollout.compile_decode: {type(model).__name__} has no decoder `layers` list to compile "
+                             f"(Llama, Mistral and Qwen2 have one); set rollout.compile_decode=false")
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -215,10 +201,15 @@ class StaticDecoder:
         return (self.model is model and self.rows == rows and slots_total <= self.slots_total
                 and self.weights_key == weights_key(model))
 
-    def _forward(self, input_ids, positions, keep, rows: slice, slots) -> torch.Tensor:
-        """One forward over rows `rows` writing at `slots`; keep [b, q, S] bool -> logits [b, V]."""
-        return forward_rows(self.model, self.cache_kwarg, self.keeps_logits, [k[rows] for k in self.keys],
-                            [v[rows] for v in self.values], input_ids, positions, keep, slots, self.seq_length)
+    def _forward(self, input_ids, positions, keep, rows: slice, slots, compiled: bool = False) -> torch.Tensor:
+        """One forward over rows `rows` writing at `slots`; keep [b, q, S] bool -> logits [b, V]. `compiled`:
+        the decoder layers run the compiled layer step (`compiled_decode.py`)."""
+        keys, values = [k[rows] for k in self.keys], [v[rows] for v in self.values]
+        cache = SlotCache(keys, values, slots, self.seq_length)
+        layers = (compiled_decode.layer_calls(self.layers, keys, values, slots, cache) if compiled
+                  else contextlib.nullcontext())
+        with layers:
+            return forward_rows(self.model, self.cache_kwarg, self.keeps_logits, cache, input_ids, positions, keep)
 
     def prefill(self, rows: list[list[int]], pad_token_id: int) -> torch.Tensor:
         """Write the prompts `rows` (sorted longest first) into slots [P - len, P); logits [B, V].
@@ -287,23 +278,11 @@ class StaticDecoder:
 
     def _decode_forward(self, bucket: int) -> torch.Tensor:
         keep = self.valid[:bucket, None, :]  # [b, 1, S]
+        # size 1 would be a graph of its own (dynamo specialises it): that bucket stays eager
+        compiled = self.compile_decode and bucket > 1
         with grouped_attention.attention_implementation(self.model, self.decode_attention):
-            if self.compile_decode and bucket > 1:  # size 1 would be a graph of its own (dynamo specialises it)
-                return self._compiled_forward(bucket, keep)
             return self._forward(self.input_ids[:bucket], self.positions[:bucket], keep, slice(0, bucket),
-                                 self.write_slot)
-
-    def _compiled_forward(self, bucket: int, keep: torch.Tensor) -> torch.Tensor:
-        """`_decode_forward` through `compiled_forward_rows`, the bucket and the slot count marked dynamic."""
-        keys, values = [k[:bucket] for k in self.keys], [v[:bucket] for v in self.values]
-        input_ids, positions = self.input_ids[:bucket], self.positions[:bucket]
-        for tensor in (*keys, *values, keep):  # [b, H_kv, S, d] and [b, 1, S]
-            torch._dynamo.maybe_mark_dynamic(tensor, 0)
-            torch._dynamo.maybe_mark_dynamic(tensor, 2)
-        for tensor in (input_ids, positions):  # [b, 1]
-            torch._dynamo.maybe_mark_dynamic(tensor, 0)
-        return compiled_forward_rows()(self.model, self.cache_kwarg, self.keeps_logits, keys, values, input_ids,
-                                       positions, keep, self.write_slot, None)
+                                 self.write_slot, compiled)
 
     def _replay(self, bucket: int) -> torch.Tensor:
         if bucket not in self.graphs:
