@@ -14,8 +14,9 @@ tokenizer):
   samples), the model's default cache;
 - `engine:<decode>`: `HFEngine.generate` for each `--decode` loop (`static`: static KV cache with
   CUDA graphs on CUDA; `static_eager`: without graphs; `dynamic`: the previous loop), in process;
-  with `--compile-decode`, `engine:static+compile` too: the static loop with each decode step one
-  torch.compile graph of the model forward (`rollout.compile_decode`; it compiles in the warm-up call).
+  with `--compile-decode`, `engine:static+compile` too: the static loop with each decode step's layers
+  through one torch.compile graph of a decoder layer (`rollout.compile_decode`; it compiles in the warm-up
+  call).
 
 Every row is forced to exactly `--new-tokens` tokens, so both sides do the same work: `generate`
 with `min_new_tokens = max_new_tokens` (EOS suppressed), the engine with an EOS id outside the
@@ -30,7 +31,7 @@ after the last round, all sides together).
 
 Writes `<out>/gpu_bench.json` with the figures, the device name and the library versions, and
 prints a table. With `--profile`, one more call of each static engine side (`static`,
-`static_eager`) at the largest `--rows` runs under torch.profiler, and its top 20 ops by self
+`static_eager`, `static+compile`) at the largest `--rows` runs under torch.profiler, and its top 20 ops by self
 device time (CPU time on a CPU) are printed and written to `<out>/gpu_bench_profile.txt`; under
 CUDA graphs the profiler sees the replayed kernels, not the ops that launched them, so
 `static_eager` is the side that names the ops. The update and the PPO iteration are measured

@@ -16,6 +16,9 @@
 #   gen05    0.5B generation at 256 rows against the decode step's memory-bandwidth bound (gpu_bench.py),
 #            the static loop eager and with its decode step compiled
 #   gen7b    the same at the 7B shape
+#   genprof05 gen05's sides (and the static loop without CUDA graphs), one call each, then one more of each
+#            static side under torch.profiler (gpu_bench.py --profile): the kernels of the decode step, by
+#            device time, in genprof05/gpu_bench_profile.txt
 #   warm05   the prmppo side of trl05 again, 2 iterations, with empty local inductor and triton caches and
 #            trl05's artifacts dir: the start-up when the compile cache kept with the artifacts is warm
 #   eager05  the prmppo side with nothing compiled (layers, decode step), 2 iterations: the start-up without compile
@@ -32,7 +35,7 @@ T0=$(date +%s)
 OUT=$1
 DATA=$(cd "$2" && pwd)
 BUDGET=${3:-570}
-STEPS=${4:-models,imports,trl05,gen05,gen7b,warm05,eager05,nomerge05,prof05,mfu05,p7b}
+STEPS=${4:-models,imports,trl05,gen05,gen7b,warm05,eager05,nomerge05,prof05,mfu05,p7b,genprof05}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${SUITE_WORK:-/tmp/gpu_suite}
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$HERE/src PYTHONUNBUFFERED=1
@@ -109,6 +112,8 @@ TORCH_LOGS=recompiles step nomerge05 100 python3 benchmarks/trl_compare.py "${SH
 step prof05 200 python3 benchmarks/iteration_profile.py --out "$WORK/prof05" --profile-iteration 2 -- \
   "${SHAPE05[@]}" "${COMPILED[@]}" --iterations 4
 step mfu05 90 python3 benchmarks/gpu_update_bench.py --model "$WORK/q05" --lora --compile
+step genprof05 130 python3 benchmarks/gpu_bench.py --model "$WORK/q05" --data-dir "$DATA" --rows 256 \
+  --decode static static_eager --compile-decode --repeats 1 --profile --out "$WORK/genprof05"
 step p7b 150 python3 benchmarks/trl_compare.py --model "$WORK/q7b" --data-dir "$DATA" --gradient-checkpointing on \
   --engine inprocess --sync none --micro-rows 32 --iterations 3 --sides prmppo --out "$WORK/p7b"
 
