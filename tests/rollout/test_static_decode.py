@@ -194,3 +194,14 @@ def test_compiled_decode_step_samples_what_the_eager_step_samples_with_one_graph
     for (tokens, logprobs, done), (want_tokens, want_logprobs, want_done) in zip(outputs[True], outputs[False]):
         assert torch.equal(tokens, want_tokens) and torch.equal(done, want_done)
         torch.testing.assert_close(logprobs, want_logprobs)
+
+
+def test_compiled_decode_refuses_a_model_without_a_decoder_layer_list():
+    """rollout.compile_decode compiles a decoder layer: a model whose decoder keeps its layers elsewhere (GPT-2's
+    `h`) is refused when the decoder is built, naming the option, before any request."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=40, n_positions=64))
+    static_decode.StaticDecoder(model, 2, 16, use_graphs=False, prefill_tokens=8)  # eager: served
+    with pytest.raises(ValueError, match="GPT2LMHeadModel has no decoder `layers` list .*rollout.compile_decode=false"):
+        static_decode.StaticDecoder(model, 2, 16, use_graphs=False, prefill_tokens=8, compile_decode=True)

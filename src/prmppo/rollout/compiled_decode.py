@@ -75,7 +75,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
 
 
 class _LayerCall:
-    """Layer `index`'s call during a compiled decode step: the model passes the step's whole-model cache
+    """A decoder layer's call during a compiled decode step: the model passes the step's whole-model cache
     (`cache`, a `static_decode.SlotCache`); the layer's graph gets the layer's own buffers instead."""
 
     def __init__(self, layer: nn.Module, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
