@@ -28,6 +28,9 @@ same tokens up to float rounding of the logits. What it does differently:
   grouped attention would hold a whole chunk's scores [b, H, q, S], which sdpa's fused kernels
   never materialise, and prefill's K/V copy (its chunk's rows) happens once per request.
   Models with softcapping or sinks keep their own attention for decode too (with a warning).
+- `compile_decode` (`rollout.compile_decode`): in decode steps of 2 rows or more every decoder layer
+  runs one compiled graph of a layer, shared by all layers, buckets and cache lengths
+  (`compiled_decode.py`); prefill and the bucket of one row stay eager.
 - Sampling happens outside the graph, on the device: the exponential noise for the whole batch
   is drawn every step and indexed by each slot's row, so which rows share a bucket never
   changes what a row samples.
