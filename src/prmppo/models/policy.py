@@ -40,6 +40,7 @@ from prmppo.config.schema import LoraAdapterConfig
 from prmppo.models.compiled_checkpoint import CheckpointOutsideGraph
 from prmppo.models.token_scores import token_scores
 from prmppo.models.value_head import ValueHead
+from prmppo.rollout.compiled_decode import decoder_layers
 
 POLICY_ADAPTER = "policy"
 
@@ -104,8 +105,8 @@ def decoder_mask(lm: nn.Module, attention_mask: torch.Tensor) -> torch.Tensor:
     micro-batch without padding arrives, mid-run, and it learns that by reading the mask on the host.
     Where a sliding window would cut in (L above it), the mask is left to transformers."""
     lm = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-    layers = getattr(lm.get_decoder(), "layers", None)
-    if not layers or getattr(layers[0], "_compiled_call_impl", None) is None:  # set by nn.Module.compile
+    layers = decoder_layers(lm)
+    if layers is None or getattr(layers[0], "_compiled_call_impl", None) is None:  # set by nn.Module.compile
         return attention_mask
     length, window = attention_mask.shape[1], getattr(lm.config, "sliding_window", None)
     if lm.config._attn_implementation != "sdpa" or (window is not None and length > window):
@@ -181,8 +182,8 @@ class _PolicyBase:
         remain: inductor's alignment check guards the graph on the width being a multiple of 8 (the
         trainer feeds only such widths: `ppo/batch.py COMPILED_WIDTH_MULTIPLE`), and a micro-batch of one
         row compiles a graph of its own (dynamo specialises sizes 0 and 1)."""
-        layers = getattr(_causal_lm(self.model).get_decoder(), "layers", None)
-        if not isinstance(layers, nn.ModuleList) or not len(layers):
+        layers = decoder_layers(_causal_lm(self.model))
+        if layers is None:
             raise ValueError(f"ppo.compile: {type(_causal_lm(self.model)).__name__}'s decoder has no `layers` list "
                              f"to compile (Llama, Mistral and Qwen2 have one); set ppo.compile=false")
         self._first_layer_input_like_the_others()
