@@ -77,16 +77,18 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
-def test_decode_makes_no_tensor_of_the_expanded_key_size():
+@pytest.mark.parametrize("mask_kind", ["additive", "bool"])
+def test_decode_makes_no_tensor_of_the_expanded_key_or_the_scores_size(mask_kind):
     query, key, value, keep = attention_inputs(group=7, q_length=1, slots=64, head_dim=16)
     expanded = key.numel() * 7  # what repeat_kv makes, for keys and again for values
-    additive = torch.zeros(keep.shape).masked_fill(~keep, -1e30)
+    scores = query.shape[0] * query.shape[1] * key.shape[2]  # [b, H, 1, S]
+    mask = torch.zeros(keep.shape).masked_fill(~keep, -1e30) if mask_kind == "additive" else keep
     with LargestTensor() as grouped:
-        grouped_attention_forward(None, query, key, value, additive, scaling=0.25)
+        got, _ = grouped_attention_forward(None, query, key, value, mask, scaling=0.25)
     with LargestTensor() as repeated:
         reference(query, key, value, keep, 0.25)
     assert repeated.largest >= expanded  # the check sees the copy when there is one
-    assert grouped.largest < expanded / 8  # scores [b, H, 1, S]: 1/d of the expanded keys
+    assert grouped.largest == got.numel() < scores  # one fused op: the output [b, 1, H, d] is the largest tensor
 
 
 def test_refuses_what_it_does_not_compute():

@@ -5,12 +5,13 @@ decode step copies the whole cache's keys and values from H_kv to H heads (Qwen2
 over every slot of every row). At 256 rows that copy was half of the step's GPU time.
 
 `grouped_attention_forward` instead folds the H / H_kv query heads of a group into the query
-axis: query [b, H, q, d] -> [b, H_kv, g*q, d] (g = H / H_kv), one batched matmul with the keys
-[b, H_kv, S, d] for the scores, the additive mask broadcast over the group, softmax in float32
-(as eager attention does), one batched matmul with the values, and back to the [b, q, H, d]
-transformers expects. The only tensors it makes are the query (scaled), the scores [b, H, q, S]
-and the output, so it is cheap for decode (q = 1); fixed shapes and no host syncs keep it
-capturable in a CUDA graph.
+axis: query [b, H, q, d] -> [b, H_kv, g*q, d] (g = H / H_kv), and runs torch's
+`scaled_dot_product_attention` with H_kv heads of g*q queries each over the keys and values
+[b, H_kv, S, d] as they are, the mask broadcast over each group, and back to the [b, q, H, d]
+transformers expects. On CUDA that is one fused kernel (memory-efficient or cuDNN attention; a mask
+rules flash out): it reads each KV head once and never writes the scores [b, H, q, S], where two
+batched matmuls around a softmax wrote them and read them back, in three launches. Fixed shapes
+and no host syncs keep it capturable in a CUDA graph.
 
 Simplifications: no dropout, no logit softcapping, no attention sinks, no position bias, and
 q > 1 needs an explicit mask (no `is_causal`): it refuses those with an exception, and
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 
 NAME = "prmppo_grouped"
 REFUSED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias")
@@ -51,29 +53,27 @@ def grouped_attention_forward(module, query: torch.Tensor, key: torch.Tensor, va
     if attention_mask is None and q_length > 1:
         raise ValueError(f"{NAME} attention needs an explicit mask for q={q_length} > 1 (it has no is_causal)")
     group = heads // kv_heads
-    scale = head_dim ** -0.5 if scaling is None else scaling
     # head h = kv * group + j, as repeat_kv lays it out: the group's heads become query rows
-    grouped = (query * scale).reshape(batch, kv_heads, group * q_length, head_dim)  # [b, H_kv, g*q, d]
-    scores = torch.matmul(grouped, key.transpose(2, 3))  # [b, H_kv, g*q, S]
-    if attention_mask is not None:
-        scores = _apply_mask(scores.view(batch, kv_heads, group, q_length, slots), attention_mask, kv_heads)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-    output = torch.matmul(probs.view(batch, kv_heads, group * q_length, slots), value)  # [b, H_kv, g*q, d]
-    return output.view(batch, heads, q_length, -1).transpose(1, 2).contiguous(), None  # [b, q, H, d]
+    grouped = query.reshape(batch, kv_heads, group * q_length, head_dim)  # [b, H_kv, g*q, d]
+    mask = None if attention_mask is None else _grouped_mask(attention_mask, kv_heads, group, slots, query.dtype)
+    # one fused kernel on CUDA (memory-efficient or cuDNN attention: a mask rules flash out), H_kv heads each
+    # with g*q queries: the keys and values are read once per KV head and the scores never reach memory
+    output = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scaling)  # [b, H_kv, g*q, d]
+    return output.view(batch, heads, q_length, head_dim).transpose(1, 2).contiguous(), None  # [b, q, H, d]
 
 
-def _apply_mask(scores: torch.Tensor, mask: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """scores [b, H_kv, g, q, S] plus a mask [b or 1, 1 or H, q, >= S], broadcast over each group."""
+def _grouped_mask(mask: torch.Tensor, kv_heads: int, group: int, slots: int, dtype) -> torch.Tensor:
+    """A mask [b or 1, 1 or H, q, >= S] for the grouped queries: [b or 1, 1 or H_kv, g*q, S] (row j*q + i is
+    query i of the group's head j), float in the queries' dtype or bool."""
     mask_batch, mask_heads, q_length, _ = mask.shape
-    slots = scores.shape[-1]
     mask = mask[..., :slots]
     if mask_heads == 1:
-        mask = mask.view(mask_batch, 1, 1, q_length, slots)  # [b, 1, 1, q, S]
+        if q_length > 1:  # every head of the group sees query i's row
+            mask = mask[:, :, None].expand(mask_batch, 1, group, q_length, slots)
+        mask = mask.reshape(mask_batch, 1, group * q_length if q_length > 1 else 1, slots)
     else:
-        mask = mask.reshape(mask_batch, kv_heads, mask_heads // kv_heads, q_length, slots)  # [b, H_kv, g, q, S]
-    if mask.dtype == torch.bool:
-        return scores.masked_fill(~mask, float("-inf"))
-    return scores + mask
+        mask = mask.reshape(mask_batch, kv_heads, group * q_length, slots)
+    return mask if mask.dtype == torch.bool else mask.to(dtype)
 
 
 def refusal(model) -> str | None:
