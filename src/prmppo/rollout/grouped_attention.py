@@ -68,9 +68,8 @@ def _grouped_mask(mask: torch.Tensor, kv_heads: int, group: int, slots: int, dty
     mask_batch, mask_heads, q_length, _ = mask.shape
     mask = mask[..., :slots]
     if mask_heads == 1:
-        if q_length > 1:  # every head of the group sees query i's row
-            mask = mask[:, :, None].expand(mask_batch, 1, group, q_length, slots)
-        mask = mask.reshape(mask_batch, 1, group * q_length if q_length > 1 else 1, slots)
+        if q_length > 1:  # every head of the group sees query i's row ([b, 1, 1, S] broadcasts as it is)
+            mask = mask[:, :, None].expand(mask_batch, 1, group, q_length, slots).reshape(mask_batch, 1, -1, slots)
     else:
         mask = mask.reshape(mask_batch, kv_heads, group * q_length, slots)
     return mask if mask.dtype == torch.bool else mask.to(dtype)

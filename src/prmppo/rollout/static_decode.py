@@ -25,8 +25,8 @@ same tokens up to float rounding of the logits. What it does differently:
 - Attention: decode forwards run `grouped_attention.py` (registered with transformers and set
   only around those forwards), which never expands K/V from the KV heads to the query heads
   as transformers' sdpa/eager do under a 4D mask. Prefill keeps the model's own attention:
-  grouped attention would hold a whole chunk's scores [b, H, q, S], which sdpa's fused kernels
-  never materialise, and prefill's K/V copy (its chunk's rows) happens once per request.
+  for q > 1 grouped attention copies the chunk's mask out to every query head of a group
+  ([b, 1, g*q, S]), and prefill's K/V copy (its chunk's rows) happens once per request.
   Models with softcapping or sinks keep their own attention for decode too (with a warning).
 - `compile_decode` (`rollout.compile_decode`): in decode steps of 2 rows or more every decoder layer
   runs one compiled graph of a layer, shared by all layers, buckets and cache lengths
