@@ -205,3 +205,104 @@ def test_compiled_decode_refuses_a_model_without_a_decoder_layer_list():
     static_decode.StaticDecoder(model, 2, 16, use_graphs=False, prefill_tokens=8)  # eager: served
     with pytest.raises(ValueError, match="GPT2LMHeadModel has no decoder `layers` list .*rollout.compile_decode=false"):
         static_decode.StaticDecoder(model, 2, 16, use_graphs=False, prefill_tokens=8, compile_decode=True)
+
+
+def _tiny_llama_family(kind: str):
+    """A random two-layer model of `kind` (Qwen2 has q/k/v biases; Llama and Mistral have none), GQA 4 -> 2 heads."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(1)
+    shape = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=40, max_position_embeddings=256)
+    config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM),
+                                 "mistral": (MistralConfig, MistralForCausalLM)}[kind]
+    model = model_class(config_class(**shape)).eval()
+    with torch.no_grad():  # biases away from 0, so that a bias dropped or misplaced shows
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_()
+    return model
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "mistral"])
+def test_fused_layer_forward_is_the_layers_own_forward(kind):
+    """The compiled step's fused layer (q/k/v as one matmul, gate/up as one) gives the output and writes the KV
+    buffers that the layer's own forward does with the same cache, for a decode query and a 3-query chunk."""
+    from prmppo.rollout import grouped_attention
+
+    model = _tiny_llama_family(kind)
+    layers = model.model.layers
+    fused = compiled_decode.FusedProjections(layers)
+    assert fused.refresh() is None
+    rows, slots_total, kv_heads, head_dim = 3, 16, 2, 8
+    grouped_attention.register()
+    for q_length in (1, 3):
+        hidden = torch.randn(rows, q_length, 32)
+        slots = torch.arange(5, 5 + q_length)  # [q]
+        positions = torch.tensor([[4 + i for i in range(q_length)]] * rows)  # [b, q]
+        keep = torch.rand(rows, q_length, slots_total) < 0.7
+        keep[:, torch.arange(q_length), slots] = True
+        mask = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)[:, None]  # [b, 1, q, S]
+        position_embeddings = model.model.rotary_emb(hidden, positions)
+        for index, layer in enumerate(layers):
+            start = torch.randn(rows, kv_heads, slots_total, head_dim)
+            want_keys, want_values = start.clone(), start.clone() * 2
+            got_keys, got_values = want_keys.clone(), want_values.clone()
+            with torch.no_grad(), grouped_attention.attention_implementation(model, grouped_attention.NAME):
+                want = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings,
+                             position_ids=positions, **{static_decode._cache_kwarg(model):
+                                                        compiled_decode.LayerSlotCache(want_keys, want_values, slots)})
+                got = compiled_decode.fused_layer_forward(layer, hidden, mask, position_embeddings, got_keys,
+                                                          got_values, slots, *fused.weights[index])
+            want = want[0] if isinstance(want, tuple) else want
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got_keys, want_keys, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got_values, want_values, rtol=1e-5, atol=1e-5)
+            assert not torch.equal(got_keys, start)  # the step wrote its keys
+
+
+def test_compiled_decode_step_runs_fused_projections_and_samples_what_the_eager_step_samples(decode_step_graphs):
+    """A Qwen2 model's compiled decode step traces the fused layer (one graph for both layers) and samples the
+    eager step's tokens; a decoder kept across requests samples with the weights of the request, not with the
+    stacked copies of the one before (the copies are refreshed at each prefill)."""
+    model = _tiny_llama_family("qwen2")
+    rows = [prompt for prompt in PROMPTS for _ in range(3)]
+
+    def sample(decoder):
+        with torch.inference_mode():
+            return static_decode.sample_static(decoder, rows, 10, 1.0, 1.0, torch.Generator().manual_seed(0),
+                                               EOS, PAD, 1)
+
+    kept = static_decode.StaticDecoder(model, len(rows), 128, use_graphs=False, prefill_tokens=8, compile_decode=True)
+    for request in range(2):
+        if request:  # the trainer's update: the same tensors, new values
+            with torch.no_grad():
+                for layer in model.model.layers:
+                    layer.self_attn.k_proj.weight.mul_(-1.5)
+                    layer.mlp.up_proj.weight.add_(0.3)
+                    layer.self_attn.q_proj.bias.add_(1.0)
+        eager = static_decode.StaticDecoder(model, len(rows), 128, use_graphs=False, prefill_tokens=8)
+        assert kept.fits(model, len(rows), 128)
+        tokens, logprobs, done = sample(kept)
+        want_tokens, want_logprobs, want_done = sample(eager)
+        assert torch.equal(tokens, want_tokens) and torch.equal(done, want_done)
+        torch.testing.assert_close(logprobs, want_logprobs, rtol=1e-5, atol=1e-5)
+    assert kept.fusion_refusal is None and len(decode_step_graphs.graphs) == 1
+    linears = [node for node in decode_step_graphs.graphs[0].graph.nodes if node.target is torch._C._nn.linear]
+    assert len(linears) == 4  # q/k/v, the output projection, gate/up, down: the layer's own forward has 7
+
+
+def test_fused_projections_refuse_an_unmerged_lora_branch():
+    """A projection whose LoRA branch runs is not its base weight: the fused step is refused for it (the layer's
+    own forward runs), and accepted once the adapter is disabled, as the merged sampling path leaves it."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(_tiny_llama_family("qwen2"), LoraConfig(r=4, target_modules=["k_proj", "up_proj"]))
+    layers = compiled_decode.decoder_layers(model.get_base_model())
+    fused = compiled_decode.FusedProjections(layers)
+    assert "LoRA branch runs unmerged" in fused.refresh() and fused.weights is None
+    with model.disable_adapter():
+        assert fused.refresh() is None
+        k_proj = layers[0].self_attn.k_proj
+        assert torch.equal(fused.weights[0][0][32:48], k_proj.get_base_layer().weight)
+    assert fused.refresh() is not None and fused.weights is None

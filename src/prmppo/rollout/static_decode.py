@@ -179,6 +179,11 @@ class StaticDecoder:
         if compile_decode and self.layers is None:
             raise ValueError(f"rollout.compile_decode: {type(model).__name__} has no decoder `layers` list to compile "
                              f"(Llama, Mistral and Qwen2 have one); set rollout.compile_decode=false")
+        # the compiled step's stacked q/k/v and gate/up weights (`compiled_decode.FusedProjections`), refreshed
+        # at each request's prefill
+        self.fused = (compiled_decode.FusedProjections(self.layers)
+                      if compile_decode and compiled_decode.FUSE_PROJECTIONS else None)
+        self.fusion_refusal: str | None = None  # why the last request's step could not run fused
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -209,7 +214,8 @@ class StaticDecoder:
         the decoder layers run the compiled layer step (`compiled_decode.py`)."""
         keys, values = [k[rows] for k in self.keys], [v[rows] for v in self.values]
         cache = SlotCache(keys, values, slots, self.seq_length)
-        layers = (compiled_decode.layer_calls(self.layers, keys, values, slots, cache) if compiled
+        fused = self.fused.weights if self.fused is not None else None
+        layers = (compiled_decode.layer_calls(self.layers, keys, values, slots, cache, fused) if compiled
                   else contextlib.nullcontext())
         with layers:
             return forward_rows(self.model, self.cache_kwarg, self.keeps_logits, cache, input_ids, positions, keep)
@@ -221,6 +227,14 @@ class StaticDecoder:
         are prefilled into the first slot rows, then their keys, values and logits are copied
         out to every row that repeats them.
         """
+        if self.fused is not None:  # a request: the weights as they are now (a kept decoder's may have changed)
+            version = self.fused.version
+            reason = self.fused.refresh()
+            if self.fused.version != version:
+                self.graphs.clear()  # captured with the stacked weights' old tensors
+            if reason is not None and reason != self.fusion_refusal:
+                LOG.info("compiled decode step: the layers' own forward, not fused projections (%s)", reason)
+            self.fusion_refusal = reason
         count, prompt_slots = len(rows), len(rows[0])
         source = [0]  # [B]: the distinct prompt each row repeats
         for index in range(1, count):
