@@ -251,13 +251,17 @@ def test_samples_without_dropout_puts_training_flags_back_and_runs_compiled_laye
 def test_compiled_decode_step_samples_what_the_eager_step_samples_on_the_lora_policy(base_dir, merge,
                                                                                      decode_step_graphs):
     """rollout.compile_decode=true from the config node: the decode step of the peft model (adapter merged or
-    through its branches) is traced by dynamo and samples the eager engine's tokens."""
+    through its branches) is traced by dynamo and samples the eager engine's tokens; merged, its projections run
+    fused (`compiled_decode.fused_layer_forward`), with the branches the layer's own forward."""
     graphs = decode_step_graphs.graphs
     policy = lora_policy(base_dir)
     eager = in_process_engine(policy.model, merge=merge).generate(request())
     assert not graphs
     compiled = in_process_engine(policy.model, merge=merge, compile_decode=True).generate(request())
     assert graphs, "compile_decode=true traced nothing: the option did not reach the decoder"
+    # merged: the fused projections (q/k/v, output, gate/up, down); branches: the layer's own forward and its LoRA
+    linears = [node for node in graphs[0].graph.nodes if node.target is torch._C._nn.linear]
+    assert len(linears) == 4 if merge else len(linears) > 7
     assert compiled.token_ids == eager.token_ids and compiled.finish_reasons == eager.finish_reasons
     for got_row, want_row in zip(compiled.logprobs, eager.logprobs):
         assert got_row == pytest.approx(want_row, abs=1e-5)
