@@ -68,7 +68,7 @@ class LayerSlotCache:
 def layer_step(layer: nn.Module, cache_kwarg: str, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
                args: tuple, kwargs: dict, fused: tuple | None = None):
     """`layer`'s forward on the model's arguments `args`/`kwargs`, its cache (`cache_kwarg`) its own buffers;
-    with `fused` (the layer's `FusedProjections.layer_weights`), `fused_layer_forward` instead."""
+    with `fused` (the layer's entry of `FusedProjections.weights`), `fused_layer_forward` instead."""
     if fused is not None:
         hidden = args[0] if args else kwargs["hidden_states"]
         return fused_layer_forward(layer, hidden, kwargs.get("attention_mask"), kwargs["position_embeddings"],
@@ -166,7 +166,8 @@ class FusedProjections:
                         parts.append(None)
                         continue
                     held = self.weights[index][2 * position + slot] if self.weights is not None else None
-                    if held is None or held.shape[0] != sum(t.shape[0] for t in tensors) or held.dtype != tensors[0].dtype:
+                    rows = sum(tensor.shape[0] for tensor in tensors)
+                    if held is None or held.shape[0] != rows or held.dtype != tensors[0].dtype:
                         held = torch.cat([t.detach() for t in tensors])
                         self.version += 1
                     else:
