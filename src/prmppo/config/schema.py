@@ -271,8 +271,9 @@ class RolloutConfig:
     # (rollout/compiled_decode.py; dynamo traces one layer at start-up, not the model). It compiles in the first request
     # (the engine-gap gate); under rollout=inprocess with ppo.compile=true, `ppo.compile_cache` keeps it
     # with the artifacts (a worker compiles from its machine's own caches). Llama, Mistral and Qwen2 layers run
-    # q/k/v and gate/up as one matmul each, over stacked copies of those weights held while a request runs
-    # (0.47 GB at Qwen2-0.5B). false: the step runs eager
+    # q/k/v and gate/up as one matmul each, over stacked copies of those weights held as long as the static
+    # decoder (between requests too in the worker; in-process, while a request runs): 0.47 GB at Qwen2-0.5B.
+    # false: the step runs eager
     compile_decode: bool = False
     # hf only: `python -m prmppo stage=ppo` starts the worker process as soon as the config is composed,
     # so that its imports (torch, transformers, peft, the model's module) run beside the trainer's;
