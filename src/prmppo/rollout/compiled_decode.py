@@ -115,19 +115,24 @@ def _plain_linear(module: nn.Module) -> nn.Linear | None:
     return None
 
 
+FUSED_GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+
+
+def _fused_groups(layer: nn.Module) -> list[list[nn.Linear | None]]:
+    """The plain linears (`_plain_linear`) of each group of `FUSED_GROUPS` in `layer`, in stacking order."""
+    return [[_plain_linear(getattr(getattr(layer, owner), name)) for name in names] for owner, names in FUSED_GROUPS]
+
+
 def fusion_refusal(layer: nn.Module) -> str | None:
     """Why `fused_layer_forward` cannot stand in for `layer`'s forward as the layer is now; None when it can."""
     name = type(layer).__name__
     if name not in FUSED_LAYER_CLASSES:
         return f"{name} is not one of {FUSED_LAYER_CLASSES}"
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if getattr(attn, "sliding_window", None) is not None:
+    if getattr(layer.self_attn, "sliding_window", None) is not None:
         return "sliding-window attention"
     if not hasattr(sys.modules.get(type(layer).__module__), "apply_rotary_pos_emb"):
         return f"{type(layer).__module__} has no apply_rotary_pos_emb"
-    for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
-        owner = attn if group[0] == "q_proj" else mlp
-        linears = [_plain_linear(getattr(owner, projection)) for projection in group]
+    for (_, group), linears in zip(FUSED_GROUPS, _fused_groups(layer)):
         if any(linear is None for linear in linears):
             return f"{group} are not all plain linears (a LoRA branch runs unmerged)"
         if len({(linear.weight.dtype, linear.weight.device, linear.in_features) for linear in linears}) > 1:
@@ -156,10 +161,8 @@ class FusedProjections:
             return "; ".join(sorted(reasons))
         stacked = []
         for index, layer in enumerate(self.layers):
-            groups = [[_plain_linear(getattr(layer.self_attn, name)) for name in ("q_proj", "k_proj", "v_proj")],
-                      [_plain_linear(getattr(layer.mlp, name)) for name in ("gate_proj", "up_proj")]]
             parts = []
-            for position, linears in enumerate(groups):
+            for position, linears in enumerate(_fused_groups(layer)):
                 for slot, attribute in enumerate(("weight", "bias")):
                     tensors = [getattr(linear, attribute) for linear in linears]
                     if tensors[0] is None:
