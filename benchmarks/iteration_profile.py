@@ -9,8 +9,9 @@ records, per phase (sample, assemble, update), the wall seconds and on CUDA the 
 (`torch.cuda.max_memory_allocated` and `max_memory_reserved`, reset at each phase's start): written to
 OUT/phases.jsonl. For iteration `--profile-iteration` it also runs torch.profiler (CPU and CUDA) and writes
 OUT/ops_cuda.txt (the ops by device time), OUT/ops_cpu.txt (by host self time), OUT/phases.txt (each
-phase's device-busy time against its wall time, from the `phase:*` ranges) and OUT/trace.json (a Chrome
-trace, for `chrome://tracing` or Perfetto).
+phase's device-busy time against its wall time, from the `phase:*` ranges), OUT/trace.json (a Chrome
+trace, for `chrome://tracing` or Perfetto) and OUT/kernels_by_phase.txt (each phase's kernels from that trace:
+device time by family, matmul, attention, inductor's fused kernels, and by kernel name).
 """
 
 from __future__ import annotations
@@ -110,6 +111,54 @@ def _write_profile(prof, out: Path) -> None:
     (out / "phases.txt").write_text("\n".join(lines) + "\n")
     with contextlib.suppress(Exception):  # a trace too large to write is not worth failing the run over
         prof.export_chrome_trace(str(out / "trace.json"))
+    if (out / "trace.json").exists():
+        with contextlib.suppress(Exception):
+            (out / "kernels_by_phase.txt").write_text(kernels_by_phase(json.loads((out / "trace.json").read_text())))
+
+
+# a kernel's family, by the first pattern its lower-cased name contains
+KERNEL_FAMILIES = (("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas")),
+                   ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
+                   ("fused (inductor)", ("triton",)),
+                   ("memory copy / fill", ("memcpy", "memset", "copy", "fill")))
+
+
+def kernel_family(name: str) -> str:
+    lower = name.lower()
+    return next((family for family, keys in KERNEL_FAMILIES if any(k in lower for k in keys)), "other")
+
+
+def kernels_by_phase(trace: dict, top: int = 25) -> str:
+    """Per phase of a Chrome trace (torch.profiler's export): the device time of its kernels, by family and by
+    kernel name. A phase's span is its `phase:*` range on the device timeline (`gpu_user_annotation`), else its
+    host range run on to the next phase's start (the wrappers synchronise the device at each phase's end)."""
+    events = trace.get("traceEvents", [])
+    spans = [(e["name"][6:], e["ts"], e["ts"] + e["dur"]) for e in events
+             if e.get("cat") == "gpu_user_annotation" and str(e.get("name", "")).startswith("phase:")]
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    if not spans:  # the last phase runs on to the last kernel's end
+        host = sorted((e["ts"], e["name"][6:]) for e in events
+                      if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("phase:"))
+        last = max((k["ts"] + k["dur"] for k in kernels), default=host[-1][0] if host else 0)
+        ends = [ts for ts, _ in host[1:]] + [max(last, host[-1][0] if host else 0)]
+        spans = [(name, ts, end) for (ts, name), end in zip(host, ends)]
+    lines = []
+    for name, start, end in spans:
+        inside = [k for k in kernels if start <= k["ts"] < end]
+        total = sum(k["dur"] for k in inside)
+        lines.append(f"== {name}: span {(end - start) / 1e6:.3f} s, kernels {total / 1e6:.3f} s, {len(inside)} launches")
+        families: dict[str, float] = {}
+        by_name: dict[str, list] = {}
+        for k in inside:
+            families[kernel_family(k["name"])] = families.get(kernel_family(k["name"]), 0.0) + k["dur"]
+            row = by_name.setdefault(k["name"], [0.0, 0])
+            row[0] += k["dur"]
+            row[1] += 1
+        for family, us in sorted(families.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {family:<20} {us / 1e3:9.1f} ms  {100 * us / max(total, 1):5.1f}%")
+        for kernel, (us, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+            lines.append(f"    {us / 1e3:9.1f} ms {count:6d}x  {kernel[:150]}")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:

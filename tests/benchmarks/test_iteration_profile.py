@@ -46,3 +46,25 @@ def test_profile_refuses_a_command_without_the_separator(monkeypatch):
     with pytest.raises(SystemExit) as done:
         runpy.run_path(str(BENCH), run_name="__main__")
     assert "--" in str(done.value.code)
+
+
+def test_kernels_by_phase_sums_each_phases_kernels_on_the_device_timeline():
+    profile = runpy.run_path(str(BENCH))
+    trace = {"traceEvents": [
+        {"cat": "gpu_user_annotation", "name": "phase:assemble", "ts": 100, "dur": 100},
+        {"cat": "gpu_user_annotation", "name": "phase:update", "ts": 200, "dur": 300},
+        {"cat": "user_annotation", "name": "phase:assemble", "ts": 0, "dur": 10},  # host range: ignored here
+        {"cat": "kernel", "name": "sm90_xmma_gemm_bf16", "ts": 110, "dur": 40},
+        {"cat": "kernel", "name": "triton_poi_fused_add_0", "ts": 150, "dur": 10},
+        {"cat": "kernel", "name": "sm90_xmma_gemm_bf16", "ts": 210, "dur": 60},
+        {"cat": "kernel", "name": "cudnn_generated_fort_native_sdpa", "ts": 300, "dur": 20},
+        {"cat": "kernel", "name": "late", "ts": 600, "dur": 5},  # after every phase
+    ]}
+    text = profile["kernels_by_phase"](trace)
+    assemble, update = text.split("== update")
+    assert "assemble: span 0.000 s, kernels 0.000 s, 2 launches" in assemble
+    assert "matmul" in assemble and "80.0%" in assemble and "fused (inductor)" in assemble and "20.0%" in assemble
+    assert ": span 0.000 s, kernels 0.000 s, 2 launches" in update and "attention" in update and "late" not in update
+    assert "0.1 ms      2x  sm90_xmma_gemm_bf16" not in text  # each phase counts its own launches only
+    host_only = profile["kernels_by_phase"]({"traceEvents": trace["traceEvents"][2:3] + trace["traceEvents"][3:5]})
+    assert "assemble: span 0.000 s, kernels 0.000 s, 2 launches" in host_only  # to the last kernel's end: both
