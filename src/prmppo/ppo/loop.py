@@ -133,6 +133,8 @@ class PPOTrainer(AssembleSteps, UpdateSteps):
         self.masters = MasterWeights(policy.policy_param_groups(ppo.lr))
         self.policy_optimizer = adamw(self.masters.groups, ppo.lr, ADAM_BETAS)
         self.value_optimizer = adamw(policy.value_parameters(), ppo.value_lr, ADAM_BETAS) if self.uses_critic else None
+        if ppo.fused_lora:
+            policy.fuse_lora_matmuls()
         if ppo.gradient_checkpointing:
             policy.enable_gradient_checkpointing()
         if ppo.compile:
