@@ -94,14 +94,14 @@ def test_calls_the_fused_forward_does_not_cover_run_pefts_own():
         assert calls[0] == 28
 
 
-def test_fused_lora_needs_a_lora_policy(tmp_path):
+def test_fused_lora_needs_a_lora_policy():
     from conftest import compose_config
-    from prmppo.config.validate import config_problems
+    from prmppo.errors import ConfigError
+    from prmppo.validate import validate_config
 
-    problems = config_problems(compose_config(["debug=smoke", "lora=none", "ppo.fused_lora=true"]))
-    assert any("ppo.fused_lora" in p for p in problems)
-    assert not any("ppo.fused_lora" in p for p in config_problems(compose_config(["debug=smoke",
-                                                                                   "ppo.fused_lora=true"])))
+    with pytest.raises(ConfigError, match="ppo.fused_lora=true fuses LoRA linears, but lora=none"):
+        validate_config(compose_config(["debug=smoke", "lora=none", "ppo.fused_lora=true"]))
+    validate_config(compose_config(["debug=smoke", "ppo.fused_lora=true"]))  # lora=adapter: nothing to say
 
 
 def _compiled_run(fused: bool, ids):

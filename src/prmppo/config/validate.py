@@ -395,9 +395,6 @@ def config_problems(cfg: DictConfig) -> list[str]:
     _check_sft_eval_canary(problems, cfg)
     for check in (_check_ppo_batch, _check_ppo_ranges, _check_ppo_estimators):
         check(problems, cfg.ppo)
-    if cfg.ppo.fused_lora and not str(cfg.lora.get("_target_", "")).endswith("LoraPolicy"):
-        problems.append("ppo.fused_lora=true with lora=none: full fine-tuning has no LoRA linear to fuse; "
-                        "set it false or use lora=adapter")
     _check_prm_train(problems, cfg.prm_train)
     _check_band(problems, cfg)
     return problems

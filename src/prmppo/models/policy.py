@@ -38,7 +38,6 @@ from torch import nn
 
 from prmppo.config.schema import LoraAdapterConfig
 from prmppo.models.compiled_checkpoint import CheckpointOutsideGraph
-from prmppo.models.lora_matmul import fuse_lora_linears
 from prmppo.models.token_scores import token_scores
 from prmppo.models.value_head import ValueHead
 from prmppo.rollout.compiled_decode import decoder_layers
@@ -174,12 +173,6 @@ class _PolicyBase:
             raise ValueError(f"ppo.gradient_checkpointing: {type(lm).__name__} has no layer transformers can "
                              f"checkpoint")
         self._checkpoint_outside_compiled_graphs()
-
-    def fuse_lora_matmuls(self) -> None:
-        """Every LoRA linear of the policy as one matmul (`ppo.fused_lora`, models/lora_matmul.py)."""
-        if not fuse_lora_linears(self.model):
-            raise ValueError(f"ppo.fused_lora: {type(self.model).__name__} has no peft LoRA linear to fuse "
-                             f"(full fine-tuning, lora=none?); set ppo.fused_lora=false")
 
     def compile_decoder_layers(self) -> None:
         """`torch.compile` each decoder layer of the policy in place (`nn.Module.compile`: parameter
