@@ -6,7 +6,6 @@
     PYTHONPATH=src python benchmarks/gpu_update_bench.py --model models/qwen2-0.5b-shape --lora
     PYTHONPATH=src python benchmarks/gpu_update_bench.py --lora --profile       # where the time goes
     PYTHONPATH=src python benchmarks/gpu_update_bench.py --lora --compile            # compiled layers
-    PYTHONPATH=src python benchmarks/gpu_update_bench.py --lora --compile --fused-lora   # LoRA linears as one matmul
     # CPU smoke check (seconds):
     PYTHONPATH=src python benchmarks/gpu_update_bench.py --shape tiny-qwen2 --rows 8 --lora
 
@@ -67,7 +66,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--gradient-checkpointing", action="store_true", help="ppo.gradient_checkpointing")
     parser.add_argument("--compile", action="store_true", help="ppo.compile: compiled decoder layers")
     parser.add_argument("--lora", action="store_true", help="LoRA r=16 on every linear layer; else full fine-tuning")
-    parser.add_argument("--fused-lora", action="store_true", help="ppo.fused_lora: each LoRA linear as one matmul")
     parser.add_argument("--critic", action="store_true", help="gae with a value head; else rloo")
     parser.add_argument("--rows", type=int, default=256, help="responses per update (prompts x samples)")
     parser.add_argument("--prompt-tokens", type=int, default=100)
@@ -93,8 +91,6 @@ def parse_args() -> argparse.Namespace:
                      f"{args.minibatch_rows}, which must divide --rows {args.rows}")
     if not 1 <= args.min_new_tokens <= args.new_tokens:
         parser.error(f"--min-new-tokens {args.min_new_tokens} must be in [1, --new-tokens {args.new_tokens}]")
-    if args.fused_lora and not args.lora:
-        parser.error("--fused-lora fuses LoRA linears: give --lora too")
     return args
 
 
@@ -150,7 +146,7 @@ def ppo_config(args):
                      logit_chunk_tokens=args.logit_chunk_tokens, autocast=args.autocast,
                      micro_batch_tokens=args.micro_batch_tokens or None,
                      gradient_checkpointing=args.gradient_checkpointing, compile=args.compile,
-                     fused_lora=args.fused_lora, warmup_steps=0, lr=1e-6,
+                     warmup_steps=0, lr=1e-6,
                      max_skipped_fraction=1.0, max_consecutive_skipped_steps=1000)
 
 
@@ -273,7 +269,7 @@ def report(args, result: dict, tokens: int, padded: int) -> None:
           f"included, tied head once); {'LoRA r=16, all linear layers' if args.lora else 'full fine-tuning'}; "
           f"model.dtype={args.dtype}, ppo.autocast={args.autocast}, "
           f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}, ppo.compile="
-          f"{str(args.compile).lower()}, ppo.fused_lora={str(args.fused_lora).lower()}")
+          f"{str(args.compile).lower()}")
     print(f"rollout: {args.rows} rows, prompts ~{args.prompt_tokens} tokens, responses {args.min_new_tokens}-"
           f"{args.new_tokens} tokens; {tokens} real tokens per update of {padded} padded "
           f"({100 * (1 - tokens / padded):.0f}% padding); minibatch {args.minibatch_rows} rows, micro-batch "

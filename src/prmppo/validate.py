@@ -99,9 +99,6 @@ def _check_policy(problems: list[str], cfg: DictConfig) -> None:
     if cfg.rollout.sync == "adapter" and not ships_adapter:
         problems.append("rollout.sync=adapter needs LoRA adapters, but lora=none trains the full model: "
                         "use rollout.sync=checkpoint or lora=adapter")
-    if cfg.ppo.fused_lora and not ships_adapter:
-        problems.append("ppo.fused_lora=true fuses LoRA linears, but lora=none trains the full model: set "
-                        "ppo.fused_lora=false or use lora=adapter")
     if not issubclass(OmegaConf.get_type(cfg.lora), LoraAdapterConfig):
         return
     lora = cfg.lora

@@ -63,8 +63,7 @@ TWO_UNIFORM = [1., 1., 1., 1.] + [1., 0., 0., 1.] + [0., 0., 0., 0.] + [0., 1., 
     (MIXED, ()), (TWO_UNIFORM, ("ppo.drop_uniform_groups=true",)),
     (MIXED, ("ppo.advantage_estimator=gae", "ppo.micro_batch_tokens=24")),
     (MIXED, ("ppo.gradient_checkpointing=true", "ppo.autocast=bfloat16")),
-    (MIXED, ("ppo.gradient_checkpointing=true", "ppo.fused_lora=true")),
-], ids=["rloo", "dropped_groups", "gae_token_budget", "checkpointing_autocast", "checkpointing_fused_lora"])
+], ids=["rloo", "dropped_groups", "gae_token_budget", "checkpointing_autocast"])
 def test_first_minibatch_ratio_is_exactly_one(dtype, outcome, overrides):
     trainer = _trainer(_ppo(*overrides), dtype)
     batch = _rollout(outcome)

@@ -61,13 +61,6 @@ class PPOConfig:
     # on this machine or on another given the artifacts dir, starts without a cold compile. Changes no
     # number (models/compile_cache.py); false: every run compiles from this machine's own caches
     compile_cache: bool = True
-    # LoRA policies: each LoRA linear runs as one matmul, its branch joined to the base matmul
-    # ([x, s x A^T] [W, B]^T, models/lora_matmul.py), instead of peft's base + branch, which writes and reads
-    # back the layer's output twice more (forward) and reads its gradient once more (backward). The same
-    # maths in every arm; rounding differs from peft's (one fp32 accumulation instead of two bf16 sums).
-    # Calls it does not cover (the reference's disabled adapters, dropout in training mode, autocast) run
-    # peft's own forward
-    fused_lora: bool = False
     ppo_epochs: int = 1
     # tokens
     max_new_tokens: int = 64

@@ -51,7 +51,6 @@ import torch
 
 from prmppo.errors import PrmppoError
 from prmppo.guards.tripwires import SkipBudget
-from prmppo.models.lora_matmul import fuse_lora_linears
 from prmppo.ppo import maths
 from prmppo.ppo.assemble import AssembleSteps
 from prmppo.ppo.batch import COMPILED_WIDTH_MULTIPLE, RolloutBatch, collate, pad_floats
@@ -134,9 +133,6 @@ class PPOTrainer(AssembleSteps, UpdateSteps):
         self.masters = MasterWeights(policy.policy_param_groups(ppo.lr))
         self.policy_optimizer = adamw(self.masters.groups, ppo.lr, ADAM_BETAS)
         self.value_optimizer = adamw(policy.value_parameters(), ppo.value_lr, ADAM_BETAS) if self.uses_critic else None
-        if ppo.fused_lora and not fuse_lora_linears(policy.model):  # every LoRA linear as one matmul
-            raise ValueError(f"ppo.fused_lora: {type(policy.model).__name__} has no peft LoRA linear to fuse "
-                             f"(full fine-tuning, lora=none?); set ppo.fused_lora=false")
         if ppo.gradient_checkpointing:
             policy.enable_gradient_checkpointing()
         if ppo.compile:

@@ -285,8 +285,7 @@ def _compile_cache(cfg: DictConfig, policy, ranks, laps: Laps) -> CompileCache |
         return None
     with laps.lap("compile_cache"):
         key = compile_cache_key(policy.model, ranks.device, autocast=cfg.ppo.autocast,
-                                gradient_checkpointing=cfg.ppo.gradient_checkpointing, world_size=ranks.world_size,
-                                fused_lora=cfg.ppo.fused_lora)
+                                gradient_checkpointing=cfg.ppo.gradient_checkpointing, world_size=ranks.world_size)
         cache = CompileCache(Path(cfg.artifacts_dir).resolve() / "compile_cache", key)
         cache.load()
     return cache
