@@ -116,10 +116,11 @@ def _write_profile(prof, out: Path) -> None:
             (out / "kernels_by_phase.txt").write_text(kernels_by_phase(json.loads((out / "trace.json").read_text())))
 
 
-# a kernel's family, by the first pattern its lower-cased name contains
-KERNEL_FAMILIES = (("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas")),
+# a kernel's family, by the first pattern its lower-cased name contains (inductor's kernels first: their names
+# carry the ops they fuse, `triton_poi_fused__scaled_dot_product_cudnn_attention_...` among them)
+KERNEL_FAMILIES = (("fused (inductor)", ("triton",)),
+                   ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas")),
                    ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
-                   ("fused (inductor)", ("triton",)),
                    ("memory copy / fill", ("memcpy", "memset", "copy", "fill")))
 
 

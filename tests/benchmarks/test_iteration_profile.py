@@ -66,5 +66,7 @@ def test_kernels_by_phase_sums_each_phases_kernels_on_the_device_timeline():
     assert "matmul" in assemble and "80.0%" in assemble and "fused (inductor)" in assemble and "20.0%" in assemble
     assert ": span 0.000 s, kernels 0.000 s, 2 launches" in update and "attention" in update and "late" not in update
     assert "0.1 ms      2x  sm90_xmma_gemm_bf16" not in text  # each phase counts its own launches only
+    assert profile["kernel_family"]("triton_poi_fused__scaled_dot_product_cudnn_attention_where_3") == "fused (inductor)"
+    assert profile["kernel_family"]("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
     host_only = profile["kernels_by_phase"]({"traceEvents": trace["traceEvents"][2:3] + trace["traceEvents"][3:5]})
     assert "assemble: span 0.000 s, kernels 0.000 s, 2 launches" in host_only  # to the last kernel's end: both
