@@ -7,8 +7,10 @@ The static decoder's attention (`rollout/grouped_attention.py`) folds the g = H 
 the query axis: query [rows, H_kv, g, d] against the cache's keys and values [rows, H_kv, S, d] with an additive
 mask [rows, 1, 1, S] (the slots a row may attend to). This times one such call per sdpa backend (cuDNN,
 memory-efficient, math), each with the additive and with a bool mask, the two batched matmuls around a float32
-softmax that the decoder ran before, and cuDNN over the first half of the slots (a view: what reading only the
-filled part of the cache would cost). Each figure is the mean over `--calls` calls after 10 warm-up calls
+softmax that the decoder ran before, cuDNN over the first half of the slots (a view: what reading only the
+filled part of the cache would cost), and torch's compiled `flex_attention` with the mask as a score
+modification (the [rows, S] additive mask added to each score): over the heads as the model has them with
+`enable_gqa` (flex's decoding kernel, which packs a group's queries into one tile), and over the folded query. Each figure is the mean over `--calls` calls after 10 warm-up calls
 (CUDA events). The bound is the keys and values read once at the device's `--tbps` (H100 SXM: 3.35 TB/s;
 H200: 4.8). A backend that cannot run the shape prints its error instead of a time.
 """
@@ -21,6 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import flex_attention
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "math": SDPBackend.MATH}
@@ -98,11 +101,33 @@ def main() -> None:
                                                       attn_mask=additive[..., :half])
 
         sides["sdpa cudnn, additive mask, first half of the slots"] = half_window
+        bias = additive[:, 0, 0]  # [rows, S]
+
+        def add_mask(score, b, h, q_idx, kv_idx):
+            return score + bias[b, kv_idx]
+
+        flex = torch.compile(flex_attention, dynamic=False)
+        flex_dynamic = torch.compile(flex_attention, dynamic=True)  # as the compiled decode step marks rows, slots
+        heads = query.reshape(args.rows, args.kv_heads * args.group, 1, args.head_dim)  # [rows, H, 1, d]
+        flex_sides = {
+            "flex, compiled, H heads, enable_gqa": lambda: flex(heads, keys, values, score_mod=add_mask,
+                                                                enable_gqa=True),
+            "flex, compiled dynamic, H heads, enable_gqa": lambda: flex_dynamic(heads, keys, values,
+                                                                                score_mod=add_mask, enable_gqa=True),
+            "flex, compiled, folded query": lambda: flex(query, keys, values, score_mod=add_mask)}
+        sides.update(flex_sides)
+        reference = matmuls().float()
+        for name in flex_sides:
+            try:
+                out = sides[name]().reshape(reference.shape).float()
+                print(f"# {name}: max abs difference from the two matmuls {(out - reference).abs().max().item():.2e}")
+            except Exception as err:  # noqa: BLE001 - a backend that cannot run the shape says why
+                print(f"# {name}: {type(err).__name__}: {str(err).splitlines()[0][:120]}")
         for name, fn in sides.items():
             try:
                 us = mean_us(fn, args.calls, device)
                 print(f"| {slots} | {name} | {us:.1f} | {us / bound_us:.2f} |")
-            except RuntimeError as err:
+            except Exception as err:  # noqa: BLE001 - a backend that cannot run the shape says why
                 print(f"| {slots} | {name} | {str(err).splitlines()[0][:80]} | |")
         print(f"| {slots} | bound: keys and values read once at {args.tbps} TB/s | {bound_us:.1f} | 1.00 |")
 

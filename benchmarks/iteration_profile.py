@@ -11,7 +11,13 @@ OUT/phases.jsonl. For iteration `--profile-iteration` it also runs torch.profile
 OUT/ops_cuda.txt (the ops by device time), OUT/ops_cpu.txt (by host self time), OUT/phases.txt (each
 phase's device-busy time against its wall time, from the `phase:*` ranges), OUT/trace.json (a Chrome
 trace, for `chrome://tracing` or Perfetto) and OUT/kernels_by_phase.txt (each phase's kernels from that trace:
-device time by family, matmul, attention, inductor's fused kernels, and by kernel name).
+device time by family, matmul, attention, inductor's fused kernels, and by kernel name, and the time the device
+sat idle inside the phase, in gaps between its kernels and copies).
+
+With `--sync-iteration N` (CUDA), iteration N runs with CUDA's sync debug mode on warn: every operation that
+makes the host wait for the device (`.item()`, a copy to the host, `nonzero`, ...) is recorded with its phase
+and the line of prmppo's code that made it (the innermost frame under src/prmppo, and the innermost frame of
+all), counted in OUT/syncs.txt. After such a wait the device idles until the host queues its next kernel.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import json
 import runpy
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -39,6 +47,9 @@ def parse_args(argv=None):
     parser.add_argument("--out", required=True, help="directory for phases.jsonl and the profile's files")
     parser.add_argument("--profile-iteration", type=int, default=None,
                         help="the iteration (0-based) to run under torch.profiler; none by default")
+    parser.add_argument("--sync-iteration", type=int, default=None,
+                        help="the iteration (0-based) whose host-device synchronisations are recorded (CUDA); "
+                        "none by default")
     args = parser.parse_args(argv[:cut])
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import trl_compare
@@ -55,8 +66,10 @@ def _phase_wrapper(method, name: str, state: dict):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
+        state["phase"] = name
         with torch.profiler.record_function(f"phase:{name}"):
             result = method(self, *args, **kwargs)
+        state["phase"] = None
         if cuda:
             torch.cuda.synchronize()
         row = {"seconds": time.perf_counter() - start}
@@ -68,11 +81,55 @@ def _phase_wrapper(method, name: str, state: dict):
     return wrapped
 
 
-def install(out: Path, profile_iteration: int | None) -> None:
+SYNC_MESSAGE = "synchronizing"  # CUDA's sync debug warning: "called a synchronizing CUDA operation"
+SRC = str(Path(__file__).resolve().parents[1] / "src" / "prmppo")
+
+
+class SyncSites:
+    """Counts of the host-device synchronisations CUDA's sync debug mode warns of, by (phase, prmppo's line,
+    innermost line): installed as `warnings.showwarning` while `record()` runs."""
+
+    def __init__(self, state: dict) -> None:
+        self.state, self.counts = state, {}
+
+    def show(self, message, category, filename, lineno, file=None, line=None):
+        if SYNC_MESSAGE not in str(message):
+            return self.previous(message, category, filename, lineno, file, line)
+        frames = traceback.extract_stack()[:-1]
+        ours = [f for f in frames if f.filename.startswith(SRC)]
+        site = f"{Path(ours[-1].filename).relative_to(Path(SRC).parent)}:{ours[-1].lineno} {ours[-1].line}" if ours \
+            else "(outside src/prmppo)"
+        inner = f"{filename}:{lineno}"
+        key = (self.state.get("phase") or "(between phases)", site, inner)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        return None
+
+    @contextlib.contextmanager
+    def record(self):
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            self.previous, warnings.showwarning = warnings.showwarning, self.show
+            cuda = torch.cuda.is_available()
+            if cuda:
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield self
+            finally:
+                if cuda:
+                    torch.cuda.set_sync_debug_mode("default")
+
+    def table(self) -> str:
+        lines = [f"{sum(self.counts.values())} synchronisations"]
+        for (phase, site, inner), count in sorted(self.counts.items(), key=lambda kv: (kv[0][0], -kv[1])):
+            lines.append(f"{phase:<16} {count:5d}x  {site}    [{inner}]")
+        return "\n".join(lines) + "\n"
+
+
+def install(out: Path, profile_iteration: int | None, sync_iteration: int | None = None) -> None:
     """Wrap PPOTrainer's phases and its iteration; the records go to `out`."""
     from prmppo.ppo.loop import PPOTrainer
 
-    state = {"current": {}}
+    state = {"current": {}, "phase": None}
     for name, attribute in (("sample", "sample"), ("assemble", "assemble"), ("update", "update")):
         setattr(PPOTrainer, attribute, _phase_wrapper(getattr(PPOTrainer, attribute), name, state))
     iteration = PPOTrainer.iteration
@@ -80,7 +137,11 @@ def install(out: Path, profile_iteration: int | None) -> None:
     @functools.wraps(iteration)
     def profiled_iteration(self, number: int):
         state["current"] = {}
-        if number != profile_iteration:
+        if number == sync_iteration:
+            with SyncSites(state).record() as sites:
+                metrics = iteration(self, number)
+            (out / "syncs.txt").write_text(sites.table())
+        elif number != profile_iteration:
             metrics = iteration(self, number)
         else:
             activities = [torch.profiler.ProfilerActivity.CPU]
@@ -129,6 +190,25 @@ def kernel_family(name: str) -> str:
     return next((family for family, keys in KERNEL_FAMILIES if any(k in lower for k in keys)), "other")
 
 
+def idle_gaps(work: list[tuple[float, float]], start: float, end: float, least: float = 100.0):
+    """The device's idle time inside [start, end) given its work intervals `work` (sorted (begin, end) pairs, in
+    the trace's microseconds; overlapping streams merge), and the idle gaps longer than `least` us."""
+    idle, gaps, cursor = 0.0, [], start
+    for begin, finish in work:
+        if finish <= cursor or begin >= end:
+            continue
+        if begin > cursor:
+            idle += begin - cursor
+            if begin - cursor > least:
+                gaps.append(begin - cursor)
+        cursor = max(cursor, min(finish, end))
+    if end > cursor:
+        idle += end - cursor
+        if end - cursor > least:
+            gaps.append(end - cursor)
+    return idle, gaps
+
+
 def kernels_by_phase(trace: dict, top: int = 25) -> str:
     """Per phase of a Chrome trace (torch.profiler's export): the device time of its kernels, by family and by
     kernel name. A phase's span is its `phase:*` range on the device timeline (`gpu_user_annotation`), else its
@@ -137,6 +217,8 @@ def kernels_by_phase(trace: dict, top: int = 25) -> str:
     spans = [(e["name"][6:], e["ts"], e["ts"] + e["dur"]) for e in events
              if e.get("cat") == "gpu_user_annotation" and str(e.get("name", "")).startswith("phase:")]
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    device_work = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
     if not spans:  # the last phase runs on to the last kernel's end
         host = sorted((e["ts"], e["name"][6:]) for e in events
                       if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("phase:"))
@@ -148,6 +230,9 @@ def kernels_by_phase(trace: dict, top: int = 25) -> str:
         inside = [k for k in kernels if start <= k["ts"] < end]
         total = sum(k["dur"] for k in inside)
         lines.append(f"== {name}: span {(end - start) / 1e6:.3f} s, kernels {total / 1e6:.3f} s, {len(inside)} launches")
+        idle, gaps = idle_gaps(device_work, start, end)
+        lines.append(f"  device idle {idle / 1e3:.1f} ms of the span; gaps over 100 us: {len(gaps)}, "
+                     f"{sum(gaps) / 1e3:.1f} ms, the largest {max(gaps, default=0) / 1e3:.1f} ms")
         families: dict[str, float] = {}
         by_name: dict[str, list] = {}
         for k in inside:
@@ -166,7 +251,7 @@ def main(argv=None) -> int:
     args, overrides = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    install(out, args.profile_iteration)
+    install(out, args.profile_iteration, args.sync_iteration)
     sys.argv = ["prmppo", *overrides]
     try:
         runpy.run_module("prmppo", run_name="__main__", alter_sys=True)

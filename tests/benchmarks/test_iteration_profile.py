@@ -25,7 +25,7 @@ def test_profile_records_every_iteration_and_profiles_the_one_asked(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     subprocess.run([sys.executable, str(ROOT / "scripts" / "make_shape_model.py"), "--out", str(model), "--shape",
                     "tiny-qwen2", "--vocab", "400", "--data-dir", str(data)], check=True, capture_output=True, env=env)
-    command = [sys.executable, str(BENCH), "--out", str(out), "--profile-iteration", "1", "--",
+    command = [sys.executable, str(BENCH), "--out", str(out), "--profile-iteration", "1", "--sync-iteration", "0", "--",
                "--model", str(model), "--data-dir", str(data), "--engine", "inprocess", "--sync", "none",
                "--iterations", "2", "--device", "cpu", "--prompts", "2", "--group", "2", "--new-tokens", "4",
                "--minibatch-rows", "4", "--micro-rows", "2"]
@@ -39,6 +39,7 @@ def test_profile_records_every_iteration_and_profiles_the_one_asked(tmp_path):
     assert all(f"phase:{name}" in phases for name in ("sample", "assemble", "update"))
     assert "aten::" in (out / "ops_cpu.txt").read_text()
     assert (out / "run" / "metrics.jsonl").exists()
+    assert (out / "syncs.txt").read_text().startswith("0 synchronisations")  # a CPU run has no device to wait for
 
 
 def test_profile_refuses_a_command_without_the_separator(monkeypatch):
@@ -70,3 +71,47 @@ def test_kernels_by_phase_sums_each_phases_kernels_on_the_device_timeline():
     assert profile["kernel_family"]("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
     host_only = profile["kernels_by_phase"]({"traceEvents": trace["traceEvents"][2:3] + trace["traceEvents"][3:5]})
     assert "assemble: span 0.000 s, kernels 0.000 s, 2 launches" in host_only  # to the last kernel's end: both
+
+
+def test_idle_gaps_count_the_device_idle_between_its_work_inside_a_span():
+    idle_gaps = runpy.run_path(str(BENCH))["idle_gaps"]
+    work = [(0, 50), (40, 120), (300, 320), (330, 600), (900, 950)]  # two streams overlap at 40-50
+    idle, gaps = idle_gaps(work, 100, 700)
+    assert idle == (300 - 120) + (330 - 320) + (700 - 600)
+    assert gaps == [180]  # 120 -> 300; the 10 us gap and the 100 us tail are not over 100 us
+    assert idle_gaps([], 0, 500) == (500, [500])
+
+
+def test_kernels_by_phase_reports_each_phases_idle_device_time():
+    profile = runpy.run_path(str(BENCH))
+    trace = {"traceEvents": [
+        {"cat": "gpu_user_annotation", "name": "phase:assemble", "ts": 0, "dur": 1000},
+        {"cat": "kernel", "name": "k", "ts": 0, "dur": 100},
+        {"cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 100, "dur": 100},  # a copy keeps the device busy
+        {"cat": "kernel", "name": "k", "ts": 700, "dur": 300},
+    ]}
+    text = profile["kernels_by_phase"](trace)
+    assert "device idle 500.0 ms" not in text and "device idle 0.5 ms of the span; gaps over 100 us: 1, 0.5 ms, the largest 0.5 ms" in text
+
+
+def test_sync_sites_count_each_synchronisation_by_phase_and_line(monkeypatch):
+    import warnings
+
+    profile = runpy.run_path(str(BENCH))
+    state = {"phase": "assemble"}
+    sites = profile["SyncSites"](state)
+    monkeypatch.setitem(sites.show.__func__.__globals__, "SRC", str(Path(__file__).parent))  # this file is "ours"
+    seen = []
+    with warnings.catch_warnings():
+        warnings.showwarning = lambda *args, **kwargs: seen.append(str(args[0]))
+        with sites.record():
+            for _ in range(3):
+                warnings.warn("called a synchronizing CUDA operation", UserWarning)
+            state["phase"] = "update"
+            warnings.warn("called a synchronizing CUDA operation", UserWarning)
+            warnings.warn("something else", UserWarning)
+    assert seen == ["something else"]  # other warnings go on to the previous handler
+    counts = {(phase, count) for (phase, site, _), count in sites.counts.items()}
+    assert counts == {("assemble", 3), ("update", 1)}
+    assert all("test_iteration_profile.py" in site and "warnings.warn" in site for _, site, _ in sites.counts)
+    assert sites.table().startswith("4 synchronisations")
