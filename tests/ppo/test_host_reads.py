@@ -69,3 +69,36 @@ def test_the_update_reads_device_values_once_per_micro_batch_and_once_at_the_end
     # the statistics: one read each, after the last micro-batch
     assert len([1 for phase, _ in OnDevice.reads if phase == "metrics"]) <= 2 * len(out)
     assert out["ppo/first_minibatch_ratio_dev"] == 0.0
+
+
+class Copied(torch.Tensor):
+    """Stands for a rollout tensor on the host: `copies` counts its `.to(device)` calls (each a blocking copy on
+    a GPU: the host waits for the device's queue to drain)."""
+
+    copies = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to and (any(isinstance(a, (torch.device, str)) for a in args[1:])
+                                        or "device" in kwargs):
+            cls.copies += 1
+            return super().__torch_function__(func, types, args, kwargs).as_subclass(torch.Tensor)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def test_the_no_grad_pass_copies_the_rollout_to_the_device_once_not_per_micro_batch():
+    trainer = _trainer(_ppo(), torch.float32)  # 16 rows in micro-batches of 2
+    batch = _rollout(MIXED)
+    plan = trainer.plan(batch, 0)
+    micro_batches = [rows for minibatch in plan.epochs[0] for rows in minibatch.micro_batches]
+    assert len(micro_batches) == 8
+    marked = dataclasses.replace(batch, **{name: getattr(batch, name).as_subclass(Copied) for name in (
+        "input_ids", "attention_mask", "position_ids", "response_ids", "response_mask")})
+    want = trainer._forward_no_grad(batch, micro_batches, batch.response_mask)
+    Copied.copies = 0
+    got = trainer._forward_no_grad(marked, micro_batches, marked.response_mask)
+    assert Copied.copies == 5, Copied.copies  # the four token tensors and the mask, once each
+    for a, b in zip(got, want):
+        if a is not None:
+            torch.testing.assert_close(a.as_subclass(torch.Tensor), b, rtol=0, atol=0)

@@ -21,6 +21,16 @@ from prmppo.ppo.batch import (IDLE_PASS_ROWS, RolloutBatch, TrainBatch, UpdatePl
 from prmppo.rewards.kl import kl_estimate
 
 
+class _OnDevice:
+    """A rollout's token tensors and a response mask copied to `device` once (`host_mask` keeps the mask as
+    given, for `trim_columns`)."""
+
+    def __init__(self, batch: RolloutBatch, mask: torch.Tensor, device: torch.device) -> None:
+        self.input_ids, self.attention_mask, self.position_ids, self.response_ids = (
+            t.to(device) for t in (batch.input_ids, batch.attention_mask, batch.position_ids, batch.response_ids))
+        self.host_mask, self.mask = mask, mask.to(device)
+
+
 class AssembleSteps:
     """The assembly of an iteration's batch, on the trainer's policy, settings (`ppo`), ranks and device."""
 
@@ -50,20 +60,28 @@ class AssembleSteps:
         multiple of `width_multiple` for compiled layers) and scored at its tokens, exactly as the update cuts
         and scores a micro-batch of a TrainBatch with that mask. The reference logprobs run in the same
         micro-batches (they only enter the KL terms, so any grouping would do). A None entry is a turn this
-        rank has no rows for (`ranks.idle_pass`)."""
+        rank has no rows for (`ranks.idle_pass`).
+
+        The rollout's token tensors and `response_mask` go to the device once, here; each micro-batch is cut
+        from those copies, its columns read off the host's masks: a copy from the host per micro-batch would
+        make the host wait for the device's queue to drain every time (a blocking copy synchronises)."""
         dev = self.device
+        on_device, full_mask = _OnDevice(batch, response_mask, dev), None
         old_lp = torch.zeros(batch.response_ids.shape, device=dev)  # [B, T]
         ref_lp, values = torch.zeros_like(old_lp), torch.zeros_like(old_lp)  # [B, T]
         after = torch.zeros(len(batch), device=dev)  # [B]
         self.policy.train(False)
         for rows in micro_batches:
             if rows is None:  # N ranks: the others run a micro-batch now, and FSDP's gathers need this rank too
-                self.ranks.idle_pass(lambda: self._score_rows(batch, torch.zeros(IDLE_PASS_ROWS, dtype=torch.long),
-                                                              batch.response_mask))
+                if full_mask is None:  # its first row, cut by the rollout's own mask
+                    full_mask = on_device if response_mask is batch.response_mask else \
+                        _OnDevice(batch, batch.response_mask, dev)
+                self.ranks.idle_pass(lambda: self._score_rows(batch, full_mask,
+                                                              torch.zeros(IDLE_PASS_ROWS, dtype=torch.long)))
                 continue
-            scored, ref, micro_mask, plen = self._score_rows(batch, rows, response_mask)
+            scored, ref, micro_mask, plen = self._score_rows(batch, on_device, rows)
             width = micro_mask.shape[1]
-            rows = rows.to(dev)
+            rows = rows.to(dev, non_blocking=True)
             old_lp[rows, :width], ref_lp[rows, :width] = scored.logprobs, ref
             if scored.values is not None:
                 values[rows, :width] = scored.values[:, plen - 1:plen - 1 + width]  # V(s_t): before response token t
@@ -73,16 +91,17 @@ class AssembleSteps:
         gathered = [self.ranks.sum_rows(t) for t in (old_lp, ref_lp, values, after)]  # every rank's rows
         return gathered[0], gathered[1], gathered[2] if critic else None, gathered[3] if critic else None
 
-    def _score_rows(self, batch: RolloutBatch, rows: torch.Tensor, response_mask: torch.Tensor):
+    def _score_rows(self, batch: RolloutBatch, on_device: "_OnDevice", rows: torch.Tensor):
         """Policy scores, reference logprobs [b, T'], the micro-batch's mask [b, T'] and its prompt length P'
-        for `rows` [b] of `batch`, cut to the columns `response_mask` uses."""
-        dev, ppo = self.device, self.ppo
-        columns, width, plen = trim_columns(batch.attention_mask[rows], response_mask[rows], batch.prompt_length,
-                                            self.width_multiple)
+        for `rows` [b] of `batch`, cut to the columns `on_device.mask` uses (read off its host copy)."""
+        ppo = self.ppo
+        columns, width, plen = trim_columns(batch.attention_mask[rows], on_device.host_mask[rows],
+                                            batch.prompt_length, self.width_multiple)
+        index = rows.to(self.device, non_blocking=True)
         # contiguous rows on every device, as the update's micro-batches are (`TrainBatch.trimmed` says why)
-        ids, att, pos = (t[rows][:, columns].to(dev).contiguous() for t in (batch.input_ids, batch.attention_mask,
-                                                                           batch.position_ids))
-        response_ids, micro_mask = (t[rows, :width].to(dev) for t in (batch.response_ids, response_mask))
+        ids, att, pos = (t[index][:, columns].contiguous() for t in (on_device.input_ids, on_device.attention_mask,
+                                                                     on_device.position_ids))
+        response_ids, micro_mask = (t[index, :width] for t in (on_device.response_ids, on_device.mask))
         with self._precision():
             # compiled layers: the policy's scores come from the graph the update's forward runs (grad mode),
             # detached at once; a no-grad graph is another compilation, whose kernels round differently
