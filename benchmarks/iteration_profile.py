@@ -51,6 +51,9 @@ def parse_args(argv=None):
                         help="the iteration (0-based) whose host-device synchronisations are recorded (CUDA); "
                         "none by default")
     args = parser.parse_args(argv[:cut])
+    if args.sync_iteration is not None and args.sync_iteration == args.profile_iteration:
+        parser.error("--sync-iteration and --profile-iteration name the same iteration: give them different ones "
+                     "(sync debug mode's warnings would distort the profile)")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import trl_compare
 
@@ -195,7 +198,9 @@ def idle_gaps(work: list[tuple[float, float]], start: float, end: float, least: 
     the trace's microseconds; overlapping streams merge), and the idle gaps longer than `least` us."""
     idle, gaps, cursor = 0.0, [], start
     for begin, finish in work:
-        if finish <= cursor or begin >= end:
+        if begin >= end:
+            break
+        if finish <= cursor:
             continue
         if begin > cursor:
             idle += begin - cursor

@@ -66,38 +66,38 @@ class AssembleSteps:
         from those copies, its columns read off the host's masks: a copy from the host per micro-batch would
         make the host wait for the device's queue to drain every time (a blocking copy synchronises)."""
         dev = self.device
-        on_device, full_mask = _OnDevice(batch, response_mask, dev), None
+        on_device, idle_inputs = _OnDevice(batch, response_mask, dev), None
         old_lp = torch.zeros(batch.response_ids.shape, device=dev)  # [B, T]
         ref_lp, values = torch.zeros_like(old_lp), torch.zeros_like(old_lp)  # [B, T]
         after = torch.zeros(len(batch), device=dev)  # [B]
         self.policy.train(False)
         for rows in micro_batches:
             if rows is None:  # N ranks: the others run a micro-batch now, and FSDP's gathers need this rank too
-                if full_mask is None:  # its first row, cut by the rollout's own mask
-                    full_mask = on_device if response_mask is batch.response_mask else \
+                if idle_inputs is None:  # its first row, cut by the rollout's own mask
+                    idle_inputs = on_device if response_mask is batch.response_mask else \
                         _OnDevice(batch, batch.response_mask, dev)
-                self.ranks.idle_pass(lambda: self._score_rows(batch, full_mask,
-                                                              torch.zeros(IDLE_PASS_ROWS, dtype=torch.long)))
+                first = torch.zeros(IDLE_PASS_ROWS, dtype=torch.long)
+                self.ranks.idle_pass(lambda: self._score_rows(batch, idle_inputs, first, first.to(dev)))
                 continue
-            scored, ref, micro_mask, plen = self._score_rows(batch, on_device, rows)
+            index = rows.to(dev, non_blocking=True)
+            scored, ref, micro_mask, plen = self._score_rows(batch, on_device, rows, index)
             width = micro_mask.shape[1]
-            rows = rows.to(dev, non_blocking=True)
-            old_lp[rows, :width], ref_lp[rows, :width] = scored.logprobs, ref
+            old_lp[index, :width], ref_lp[index, :width] = scored.logprobs, ref
             if scored.values is not None:
-                values[rows, :width] = scored.values[:, plen - 1:plen - 1 + width]  # V(s_t): before response token t
+                values[index, :width] = scored.values[:, plen - 1:plen - 1 + width]  # V(s_t): before response token t
                 lengths = micro_mask.sum(-1).long()  # [b]
-                after[rows] = scored.values.gather(1, (plen - 1 + lengths)[:, None]).squeeze(1)  # after the last token
+                after[index] = scored.values.gather(1, (plen - 1 + lengths)[:, None]).squeeze(1)  # after the last token
         critic = self.policy.value_head is not None
         gathered = [self.ranks.sum_rows(t) for t in (old_lp, ref_lp, values, after)]  # every rank's rows
         return gathered[0], gathered[1], gathered[2] if critic else None, gathered[3] if critic else None
 
-    def _score_rows(self, batch: RolloutBatch, on_device: "_OnDevice", rows: torch.Tensor):
+    def _score_rows(self, batch: RolloutBatch, on_device: "_OnDevice", rows: torch.Tensor, index: torch.Tensor):
         """Policy scores, reference logprobs [b, T'], the micro-batch's mask [b, T'] and its prompt length P'
-        for `rows` [b] of `batch`, cut to the columns `on_device.mask` uses (read off its host copy)."""
+        for `rows` [b] of `batch` (`index`: the same rows on the device), cut to the columns `on_device.mask`
+        uses (read off its host copy)."""
         ppo = self.ppo
         columns, width, plen = trim_columns(batch.attention_mask[rows], on_device.host_mask[rows],
                                             batch.prompt_length, self.width_multiple)
-        index = rows.to(self.device, non_blocking=True)
         # contiguous rows on every device, as the update's micro-batches are (`TrainBatch.trimmed` says why)
         ids, att, pos = (t[index][:, columns].contiguous() for t in (on_device.input_ids, on_device.attention_mask,
                                                                      on_device.position_ids))
