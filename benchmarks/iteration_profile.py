@@ -12,7 +12,10 @@ OUT/ops_cuda.txt (the ops by device time), OUT/ops_cpu.txt (by host self time), 
 phase's device-busy time against its wall time, from the `phase:*` ranges), OUT/trace.json (a Chrome
 trace, for `chrome://tracing` or Perfetto) and OUT/kernels_by_phase.txt (each phase's kernels from that trace:
 device time by family, matmul, attention, inductor's fused kernels, and by kernel name, and the time the device
-sat idle inside the phase, in gaps between its kernels and copies).
+sat idle inside the phase, in gaps between its kernels and copies). With `--stack` the profiled iteration records
+Python frames too, and kernels_by_phase.txt says what the host ran during each phase's idle gaps: the time by
+the innermost frame of prmppo's code and by the innermost frame of all (a `nonzero`, a guard check, a peft
+context manager, ...).
 
 With `--sync-iteration N` (CUDA), iteration N runs with CUDA's sync debug mode on warn: every operation that
 makes the host wait for the device (`.item()`, a copy to the host, `nonzero`, ...) is recorded with its phase
@@ -23,6 +26,7 @@ all), counted in OUT/syncs.txt. After such a wait the device idles until the hos
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import functools
 import json
@@ -47,6 +51,9 @@ def parse_args(argv=None):
     parser.add_argument("--out", required=True, help="directory for phases.jsonl and the profile's files")
     parser.add_argument("--profile-iteration", type=int, default=None,
                         help="the iteration (0-based) to run under torch.profiler; none by default")
+    parser.add_argument("--stack", action="store_true",
+                        help="record Python frames in the profiled iteration (with_stack): kernels_by_phase.txt then "
+                        "says what the host ran while the device sat idle; it slows the host")
     parser.add_argument("--sync-iteration", type=int, default=None,
                         help="the iteration (0-based) whose host-device synchronisations are recorded (CUDA); "
                         "none by default")
@@ -128,7 +135,8 @@ class SyncSites:
         return "\n".join(lines) + "\n"
 
 
-def install(out: Path, profile_iteration: int | None, sync_iteration: int | None = None) -> None:
+def install(out: Path, profile_iteration: int | None, sync_iteration: int | None = None,
+            stack: bool = False) -> None:
     """Wrap PPOTrainer's phases and its iteration; the records go to `out`."""
     from prmppo.ppo.loop import PPOTrainer
 
@@ -150,7 +158,7 @@ def install(out: Path, profile_iteration: int | None, sync_iteration: int | None
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            with torch.profiler.profile(activities=activities, record_shapes=False) as prof:
+            with torch.profiler.profile(activities=activities, record_shapes=False, with_stack=stack) as prof:
                 metrics = iteration(self, number)
             _write_profile(prof, out)
         with (out / "phases.jsonl").open("a") as handle:
@@ -195,7 +203,8 @@ def kernel_family(name: str) -> str:
 
 def idle_gaps(work: list[tuple[float, float]], start: float, end: float, least: float = 100.0):
     """The device's idle time inside [start, end) given its work intervals `work` (sorted (begin, end) pairs, in
-    the trace's microseconds; overlapping streams merge), and the idle gaps longer than `least` us."""
+    the trace's microseconds; overlapping streams merge), and the idle gaps longer than `least` us, as (begin, end)
+    pairs."""
     idle, gaps, cursor = 0.0, [], start
     for begin, finish in work:
         if begin >= end:
@@ -205,39 +214,84 @@ def idle_gaps(work: list[tuple[float, float]], start: float, end: float, least: 
         if begin > cursor:
             idle += begin - cursor
             if begin - cursor > least:
-                gaps.append(begin - cursor)
+                gaps.append((cursor, begin))
         cursor = max(cursor, min(finish, end))
     if end > cursor:
         idle += end - cursor
         if end - cursor > least:
-            gaps.append(end - cursor)
+            gaps.append((cursor, end))
     return idle, gaps
 
 
-def kernels_by_phase(trace: dict, top: int = 25) -> str:
+def _innermost(frames: list[tuple[float, float, str]], starts: list[float], t: float, scan: int = 20000):
+    """The innermost of `frames` (one thread's properly nested (begin, end, name) ranges, sorted by begin;
+    `starts` their begins) that contains time `t`, or None: the latest-begun range still open at `t`."""
+    i = bisect.bisect_right(starts, t) - 1
+    for j in range(i, max(i - scan, -1), -1):
+        if frames[j][1] >= t:
+            return frames[j][2]
+    return None
+
+
+def host_in_gaps(frames: list[tuple[float, float, str]], gaps: list[tuple[float, float]], step: float = 10.0):
+    """What the host ran while the device sat idle: over the idle `gaps` ((begin, end) us), sampled every `step`
+    us, the microseconds spent in each innermost Python frame of prmppo's own code and in each innermost frame
+    of all (`frames`: the host thread's `python_function` ranges of a trace made with `with_stack=True`).
+    Returns (ours, any), each {frame name: us}; a time in no frame counts as "(no Python frame)"."""
+    ours_frames = sorted(f for f in frames if "prmppo/" in f[2])
+    all_frames = sorted(frames)
+    ours_starts, all_starts = [f[0] for f in ours_frames], [f[0] for f in all_frames]
+    ours: dict[str, float] = {}
+    every: dict[str, float] = {}
+    for begin, end in gaps:
+        t = begin + step / 2
+        while t < end:
+            weight = min(step, end - (t - step / 2))
+            name = _innermost(ours_frames, ours_starts, t)
+            name = name[name.find("prmppo/"):] if name else "(no prmppo frame)"
+            ours[name] = ours.get(name, 0.0) + weight
+            name = _innermost(all_frames, all_starts, t) or "(no Python frame)"
+            every[name] = every.get(name, 0.0) + weight
+            t += step
+    return ours, every
+
+
+def kernels_by_phase(trace: dict, top: int = 25, top_frames: int = 12) -> str:
     """Per phase of a Chrome trace (torch.profiler's export): the device time of its kernels, by family and by
     kernel name. A phase's span is its `phase:*` range on the device timeline (`gpu_user_annotation`), else its
-    host range run on to the next phase's start (the wrappers synchronise the device at each phase's end)."""
+    host range run on to the next phase's start (the wrappers synchronise the device at each phase's end), the
+    last one to its own end or the last kernel's, whichever is later."""
     events = trace.get("traceEvents", [])
     spans = [(e["name"][6:], e["ts"], e["ts"] + e["dur"]) for e in events
              if e.get("cat") == "gpu_user_annotation" and str(e.get("name", "")).startswith("phase:")]
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
     device_work = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
                          if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
+    host_tids = {e.get("tid") for e in events
+                 if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("phase:")}
+    frames = [(e["ts"], e["ts"] + e["dur"], str(e.get("name"))) for e in events
+              if e.get("cat") == "python_function" and "dur" in e and e.get("tid") in host_tids]
     if not spans:  # the last phase runs on to the last kernel's end
-        host = sorted((e["ts"], e["name"][6:]) for e in events
+        host = sorted((e["ts"], e["name"][6:], e["ts"] + e.get("dur", 0)) for e in events
                       if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("phase:"))
-        last = max((k["ts"] + k["dur"] for k in kernels), default=host[-1][0] if host else 0)
-        ends = [ts for ts, _ in host[1:]] + [max(last, host[-1][0] if host else 0)]
-        spans = [(name, ts, end) for (ts, name), end in zip(host, ends)]
+        last = max((k["ts"] + k["dur"] for k in kernels), default=0)
+        ends = [ts for ts, _, _ in host[1:]] + [max(last, host[-1][2]) if host else 0]
+        spans = [(name, ts, end) for (ts, name, _), end in zip(host, ends)]
     lines = []
     for name, start, end in spans:
         inside = [k for k in kernels if start <= k["ts"] < end]
         total = sum(k["dur"] for k in inside)
         lines.append(f"== {name}: span {(end - start) / 1e6:.3f} s, kernels {total / 1e6:.3f} s, {len(inside)} launches")
         idle, gaps = idle_gaps(device_work, start, end)
+        lengths = [b - a for a, b in gaps]
         lines.append(f"  device idle {idle / 1e3:.1f} ms of the span; gaps over 100 us: {len(gaps)}, "
-                     f"{sum(gaps) / 1e3:.1f} ms, the largest {max(gaps, default=0) / 1e3:.1f} ms")
+                     f"{sum(lengths) / 1e3:.1f} ms, the largest {max(lengths, default=0) / 1e3:.1f} ms")
+        if frames and gaps:
+            ours, every = host_in_gaps(frames, gaps)
+            for title, table in (("innermost frame of src/prmppo", ours), ("innermost frame", every)):
+                lines.append(f"  the host in those gaps, by {title}:")
+                for frame, us in sorted(table.items(), key=lambda kv: -kv[1])[:top_frames]:
+                    lines.append(f"    {us / 1e3:9.1f} ms  {frame[:150]}")
         families: dict[str, float] = {}
         by_name: dict[str, list] = {}
         for k in inside:
@@ -256,7 +310,7 @@ def main(argv=None) -> int:
     args, overrides = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    install(out, args.profile_iteration, args.sync_iteration)
+    install(out, args.profile_iteration, args.sync_iteration, args.stack)
     sys.argv = ["prmppo", *overrides]
     try:
         runpy.run_module("prmppo", run_name="__main__", alter_sys=True)

@@ -25,7 +25,7 @@ def test_profile_records_every_iteration_and_profiles_the_one_asked(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     subprocess.run([sys.executable, str(ROOT / "scripts" / "make_shape_model.py"), "--out", str(model), "--shape",
                     "tiny-qwen2", "--vocab", "400", "--data-dir", str(data)], check=True, capture_output=True, env=env)
-    command = [sys.executable, str(BENCH), "--out", str(out), "--profile-iteration", "1", "--sync-iteration", "0", "--",
+    command = [sys.executable, str(BENCH), "--out", str(out), "--profile-iteration", "1", "--sync-iteration", "0", "--stack", "--",
                "--model", str(model), "--data-dir", str(data), "--engine", "inprocess", "--sync", "none",
                "--iterations", "2", "--device", "cpu", "--prompts", "2", "--group", "2", "--new-tokens", "4",
                "--minibatch-rows", "4", "--micro-rows", "2"]
@@ -40,6 +40,9 @@ def test_profile_records_every_iteration_and_profiles_the_one_asked(tmp_path):
     assert "aten::" in (out / "ops_cpu.txt").read_text()
     assert (out / "run" / "metrics.jsonl").exists()
     assert (out / "syncs.txt").read_text().startswith("0 synchronisations")  # a CPU run has no device to wait for
+    kernels = (out / "kernels_by_phase.txt").read_text()  # no device work on CPU: each phase is one idle gap
+    assert "the host in those gaps, by innermost frame of src/prmppo:" in kernels
+    assert "prmppo/ppo/update.py" in kernels.split("== update")[1]
 
 
 def test_profile_refuses_a_command_without_the_separator(monkeypatch):
@@ -78,8 +81,24 @@ def test_idle_gaps_count_the_device_idle_between_its_work_inside_a_span():
     work = [(0, 50), (40, 120), (300, 320), (330, 600), (900, 950)]  # two streams overlap at 40-50
     idle, gaps = idle_gaps(work, 100, 700)
     assert idle == (300 - 120) + (330 - 320) + (700 - 600)
-    assert gaps == [180]  # 120 -> 300; the 10 us gap and the 100 us tail are not over 100 us
-    assert idle_gaps([], 0, 500) == (500, [500])
+    assert gaps == [(120, 300)]  # the 10 us gap and the 100 us tail are not over 100 us
+    assert idle_gaps([], 0, 500) == (500, [(0, 500)])
+
+
+def test_host_in_gaps_charges_each_idle_microsecond_to_the_innermost_frame_then_running():
+    profile = runpy.run_path(str(BENCH))
+    frames = [(0, 1000, "src/prmppo/ppo/assemble.py(120): assemble"),
+              (100, 400, "src/prmppo/models/token_scores.py(70): token_scores"),
+              (150, 350, "<built-in method nonzero of Tensor object at 0x1>"),
+              (600, 700, "torch/_dynamo/eval_frame.py(400): _fn"),
+              (1200, 1300, "elsewhere.py(3): other")]
+    ours, every = profile["host_in_gaps"](frames, [(100, 300), (500, 800), (1100, 1200)])
+    assert ours == {"prmppo/models/token_scores.py(70): token_scores": 200,
+                    "prmppo/ppo/assemble.py(120): assemble": 300, "(no prmppo frame)": 100}
+    assert every == {"src/prmppo/models/token_scores.py(70): token_scores": 50,
+                     "<built-in method nonzero of Tensor object at 0x1>": 150,
+                     "src/prmppo/ppo/assemble.py(120): assemble": 200,
+                     "torch/_dynamo/eval_frame.py(400): _fn": 100, "(no Python frame)": 100}
 
 
 def test_kernels_by_phase_reports_each_phases_idle_device_time():
@@ -92,6 +111,15 @@ def test_kernels_by_phase_reports_each_phases_idle_device_time():
     ]}
     text = profile["kernels_by_phase"](trace)
     assert "device idle 500.0 ms" not in text and "device idle 0.5 ms of the span; gaps over 100 us: 1, 0.5 ms, the largest 0.5 ms" in text
+    assert "the host in those gaps" not in text  # a trace without Python frames
+    trace["traceEvents"] += [{"cat": "user_annotation", "name": "phase:assemble", "ts": 0, "dur": 700, "tid": 1},
+                             {"cat": "python_function", "name": "src/prmppo/ppo/estimators.py(40): gae", "ts": 150,
+                              "dur": 600, "tid": 1},
+                             {"cat": "python_function", "name": "src/prmppo/ppo/other.py(1): thread", "ts": 0,
+                              "dur": 1000, "tid": 2}]  # another thread's frames are not the host's
+    text = profile["kernels_by_phase"](trace)
+    assert "the host in those gaps, by innermost frame of src/prmppo:\n          0.5 ms  prmppo/ppo/estimators.py(40): gae" in text
+    assert "thread" not in text
 
 
 def test_sync_sites_count_each_synchronisation_by_phase_and_line(monkeypatch):
