@@ -304,3 +304,27 @@ def test_the_trainer_passes_the_same_tolerance_to_grpo():
     off = _trainer(_ppo(*overrides, "ppo.group_same_tol=0"))
     train, _ = off.assemble(batch, rewards, off.plan(batch, 0))
     assert train.advantages.abs().max() > 0.5  # without it, jitter / its own std is a full-size advantage
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+def test_the_task_part_is_the_advantages_at_kl_coef_zero(estimator):
+    values = {"values": torch.rand(8, 5, generator=torch.Generator().manual_seed(3)) * MASK} if estimator == "gae" else {}
+    for terms in (_orm([1., 0., 0., 1., 0., 0., 0., 1.]), _prm([1., 0., 0., 1., 0., 0., 0., 1.])):
+        out = _compute(terms, _kl(), estimator, kl_coef=0.05, **values)
+        assert torch.equal(out.task, _compute(terms, _kl(), estimator, kl_coef=0.0, **values).advantages)
+        assert torch.equal(out.advantages, out.task + out.kl_pull)
+
+
+@pytest.mark.parametrize("arm", ["orm", "prm"])
+def test_assemble_takes_each_return_to_go_once(arm, monkeypatch):
+    # one per reward term, one for the KL pull, one for the effective-coefficient fit: the task advantages are
+    # not computed a second time at kl_coef 0 (on a GPU each of these is a loop of T steps the host launches)
+    trainer = _trainer(_ppo("ppo.advantage_estimator=grpo", "ppo.kl_coef=0.05"))
+    batch = _rollout([1., 0., 0., 1., 0., 0., 0., 1.])
+    reward = OutcomeReward()(batch)[0] if arm == "orm" else _process_reward(batch)
+    calls = []
+    real = estimators.gae
+    monkeypatch.setattr(estimators, "gae", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _, metrics = trainer.assemble(batch, reward, trainer.plan(batch, 0))
+    assert len(calls) == len(reward.terms) + 2
+    assert metrics["kl/effective_coef"] == pytest.approx(0.05, abs=1e-5)

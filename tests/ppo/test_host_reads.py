@@ -102,3 +102,25 @@ def test_the_no_grad_pass_copies_the_rollout_to_the_device_once_not_per_micro_ba
     for a, b in zip(got, want):
         if a is not None:
             torch.testing.assert_close(a.as_subclass(torch.Tensor), b, rtol=0, atol=0)
+
+
+def test_the_advantage_by_quarter_metrics_are_read_off_the_device_at_once():
+    from prmppo.ppo.assemble import advantage_by_quarter
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([7, 1, 4, 0, 2, 1])
+    mask = (torch.arange(9)[None, :] < lengths[:, None]).float()  # [6, 9]
+    advantages = torch.randn(6, 9, generator=generator) * mask
+    outcome = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0])
+    want = {}  # each quarter's mean by hand: token t of a row of n tokens is in quarter min(4t // n, 3)
+    for name, rows in (("right", outcome > 0.5), ("wrong", outcome <= 0.5)):
+        for q in range(4):
+            picked = [float(advantages[b, t]) for b in range(6) if rows[b] for t in range(int(lengths[b]))
+                      if min(4 * t // int(lengths[b]), 3) == q]
+            if picked:
+                want[f"adv/{name}_q{q + 1}"] = sum(picked) / len(picked)
+    OnDevice.reads, OnDevice.phase = [], "metrics"
+    got = advantage_by_quarter(*(t.as_subclass(OnDevice) for t in (advantages, mask, outcome)))
+    assert got.keys() == want.keys() and "adv/wrong_q2" not in got  # wrong rows of 1 and 2 tokens: q1 and q3
+    assert all(abs(got[k] - want[k]) < 1e-6 for k in want)
+    assert len(OnDevice.reads) == 1, OnDevice.reads  # one read for all eight cells, not two per cell

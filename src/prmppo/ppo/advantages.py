@@ -21,8 +21,8 @@ moves the policy by the configured KL pull alone, identically in both arms. The 
 the group baselines and out of grpo's group statistics: it is a per-token cost of the sampled
 tokens, known exactly, which needs no baseline.
 
-`effective_kl_coef` measures the weight the KL actually got from two calls of `compute` (with and
-without the KL), so the logged `kl/effective_coef` is a measurement, not the configured value.
+`effective_kl_coef` measures the weight the KL actually got from the advantages and their task part (what
+`compute` gives at kl_coef 0), so the logged `kl/effective_coef` is a measurement, not the configured value.
 
 Tests: `pytest tests/ppo/test_advantages.py -q`.
 """
@@ -49,6 +49,7 @@ class Advantages(NamedTuple):
     returns: Tensor  # [B, T] the critic's targets (task return; zeros without a critic)
     task_scale: float  # the factor the normalisation applied to the task advantages (1.0 when off)
     kl_pull: Tensor  # [B, T] the KL's part of `advantages`
+    task: Tensor  # [B, T] the task part: `advantages` at kl_coef 0, 0 off the update's tokens
 
 
 def compute(terms: list[tuple[Tensor, Tensor]], kl: Tensor, mask: Tensor, update_mask: Tensor, *,
@@ -84,8 +85,8 @@ def compute(terms: list[tuple[Tensor, Tensor]], kl: Tensor, mask: Tensor, update
         task = task / std
     kl_pull = estimators.returns_to_go(torch.where(mask.bool(), -kl_coef * kl, zero), mask, gamma)  # [B, T]
     kl_pull = torch.where(update_mask.bool(), kl_pull, zero)
-    advantages = torch.where(update_mask.bool(), task, zero) + kl_pull
-    return Advantages(advantages, returns, scale, kl_pull)
+    task = torch.where(update_mask.bool(), task, zero)
+    return Advantages(task + kl_pull, returns, scale, kl_pull, task)
 
 
 def effective_kl_coef(with_kl: Tensor, without_kl: Tensor, kl: Tensor, mask: Tensor, gamma: float) -> float:

@@ -164,10 +164,9 @@ class AssembleSteps:
         terms = [(term.values.to(dev), term.events.to(dev)) for term in rewards.terms.values()]
         # 4. task advantages normalised, then the KL pull at kl_coef (ppo/advantages.py: the same in every arm)
         out = advantages_rule.compute(terms, kl, mask, update_mask, kl_coef=ppo.kl_coef, **settings)
-        without_kl = advantages_rule.compute(terms, kl, mask, update_mask, kl_coef=0.0, **settings)
         advantages, returns, mask = out.advantages, out.returns, update_mask
-        metrics.update({"kl/effective_coef": advantages_rule.effective_kl_coef(advantages, without_kl.advantages, kl,
-                                                                               mask, ppo.gamma),
+        metrics.update({"kl/effective_coef": advantages_rule.effective_kl_coef(advantages, out.task, kl, mask,
+                                                                               ppo.gamma),
                         "adv/task_scale": out.task_scale})
         if self.uses_critic:
             metrics.update({"value/mean": float(maths.masked_mean(values, batch.response_mask.to(dev))),
@@ -178,7 +177,7 @@ class AssembleSteps:
         else:
             values = returns = torch.zeros_like(mask)
         metrics.update(advantage_by_quarter(advantages, mask, batch.outcome.to(dev)))
-        metrics.update(advantages_rule.identical_group_share(advantages - out.kl_pull, batch.response_ids.to(dev), mask,
+        metrics.update(advantages_rule.identical_group_share(out.task, batch.response_ids.to(dev), mask,
                                                              ppo.n_samples_per_prompt))
         train = TrainBatch(batch.input_ids.to(dev), batch.attention_mask.to(dev), batch.position_ids.to(dev),
                            batch.response_ids.to(dev), mask, old_lp, ref_lp, values, advantages, returns,
@@ -203,17 +202,15 @@ class AssembleSteps:
 
 def advantage_by_quarter(advantages: torch.Tensor, mask: torch.Tensor, outcome: torch.Tensor) -> dict:
     """Mean advantage of right (and of wrong) responses in each quarter of their own length:
-    `adv/right_q1` .. `adv/right_q4`, `adv/wrong_q1` .. `adv/wrong_q4` (absent when no such row).
-    A right response whose late tokens get negative advantage is being credited by position."""
+    `adv/right_q1` .. `adv/right_q4`, `adv/wrong_q1` .. `adv/wrong_q4` (absent when no such token).
+    A right response whose late tokens get negative advantage is being credited by position.
+    The eight sums (float64) and token counts are read off the device at once."""
     lengths = mask.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
     position = torch.arange(mask.shape[1], device=mask.device)[None, :]  # [1, T]
-    quarter = (position * 4 // lengths).clamp(max=3)  # [B, T] 0..3 within each row
-    out = {}
-    for name, rows in (("right", outcome > 0.5), ("wrong", outcome <= 0.5)):
-        if not rows.any():
-            continue
-        for q in range(4):
-            where = mask.bool() & rows[:, None] & (quarter == q)
-            if where.any():
-                out[f"adv/{name}_q{q + 1}"] = float(advantages[where].mean())
-    return out
+    quarter = (position * 4 // lengths).clamp(max=3).long()  # [B, T] 0..3 within each row
+    cell = (outcome <= 0.5).long()[:, None] * 4 + quarter  # [B, T] 0..3 a right row's quarters, 4..7 a wrong one's
+    member = torch.nn.functional.one_hot(cell, 8).double() * mask.bool()[..., None]  # [B, T, 8]
+    sums = (member * advantages.double()[..., None]).sum((0, 1))  # [8]
+    sums, counts = torch.stack([sums, member.sum((0, 1))]).tolist()
+    return {f"adv/{name}_q{q + 1}": sums[4 * k + q] / counts[4 * k + q]
+            for k, name in enumerate(("right", "wrong")) for q in range(4) if counts[4 * k + q] > 0}

@@ -30,19 +30,33 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float,
     limit passes the value of the state at the cut, so the critic's estimate of what the response
     would have earned stands in for the missing tail); A_t = delta_t + gamma * lam * A_{t+1}.
     Returns (advantages, returns = advantages + values), both [B, T] and 0 on padding.
-    The loop runs backwards over T (short) and is vectorised over B.
+    The loop runs backwards over T and is vectorised over B. Each of its T steps is a few operations on [B]
+    vectors, which on an accelerator are as many kernel launches the host makes one after another (about 7 T
+    in all); there the whole computation runs on host copies and its results go back to the device. It is
+    the same float32 additions and multiplications (each rounded exactly on either device), so the same bits.
     """
     check_same_shape(rewards=rewards, values=values, mask=mask)
     check_unit_interval("gamma", gamma)
     check_unit_interval("lam", lam)
+    batch = values.shape[0]
+    if bootstrap is not None and tuple(bootstrap.shape) != (batch,):
+        raise ValueError(f"bootstrap shape {tuple(bootstrap.shape)} must be [B] = ({batch},)")
+    device = values.device
+    if device.type == "cpu":
+        return _gae_rows(rewards, values, mask, gamma, lam, bootstrap)
+    on_host = [None if t is None else t.cpu() for t in (rewards, values, mask, bootstrap)]
+    return tuple(t.to(device) for t in _gae_rows(*on_host, gamma, lam))
+
+
+def _gae_rows(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float,
+              bootstrap: Tensor | None) -> tuple[Tensor, Tensor]:
+    """`gae` on the device its arguments are on."""
     keep = mask.bool()
     m = keep.to(values.dtype)  # [B, T]
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
     r = torch.where(keep, rewards.to(values.dtype), zero)  # [B, T]
     v = torch.where(keep, values, zero)  # [B, T]
     batch, horizon = v.shape
-    if bootstrap is not None and tuple(bootstrap.shape) != (batch,):
-        raise ValueError(f"bootstrap shape {tuple(bootstrap.shape)} must be [B] = ({batch},)")
     # the value after each row's last real token: `bootstrap` there, 0 on padding
     last = torch.zeros_like(keep)  # [B, T]
     lengths = keep.sum(-1)  # [B]
