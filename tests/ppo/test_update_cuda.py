@@ -64,3 +64,18 @@ def test_gae_on_a_gpu_runs_its_loop_on_the_host_to_the_same_bits():
     assert advantages.device.type == "cuda" and returns.device.type == "cuda"
     on_device = _gae_rows(*args, 0.99, 0.95, bootstrap.to(DEVICE))
     assert torch.equal(advantages, on_device[0]) and torch.equal(returns, on_device[1])
+
+
+def test_the_policy_loss_makes_the_host_wait_for_nothing():
+    from prmppo.ppo.maths import policy_loss
+
+    generator = torch.Generator().manual_seed(0)
+    logprobs, old, advantages = (torch.randn(4, 6, generator=generator).to(DEVICE) for _ in range(3))
+    mask = torch.ones(4, 6, device=DEVICE)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any wait for the device raises
+    try:
+        loss, stats = policy_loss(logprobs, old, advantages, mask, 0.2, 0.2, 3.0, "token_mean")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert float(stats.ratio_min) <= float(stats.ratio_max) and torch.isfinite(loss)

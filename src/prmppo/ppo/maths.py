@@ -162,7 +162,7 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     loss = aggregate(per_token, mask, agg, global_token_count=global_token_count,
                      global_seq_count=global_seq_count, norm_length=norm_length)
     with torch.no_grad():
-        big = torch.tensor(float("inf"), dtype=ratio.dtype, device=ratio.device)
+        big = torch.full((), float("inf"), dtype=ratio.dtype, device=ratio.device)  # a fill: no copy from the host
         stats = PolicyStats(
             clip_fraction=masked_mean((clipped > unclipped).to(ratio.dtype), mask),
             approx_kl=masked_mean(0.5 * log_ratio.square(), mask),
