@@ -307,3 +307,27 @@ def test_compiling_the_layers_traces_each_graph_once(monkeypatch):
         policy.reference_score(ids, att, pos, response_ids, response_mask, 4, 1.0, 64)
     assert restarts == []
     torch._dynamo.reset()
+
+
+def test_the_reference_passes_switch_the_adapters_off_without_peft_status_reports(monkeypatch):
+    # peft's disable_adapter builds get_model_status (every adapter layer's repr) at each entry: host time the
+    # no-grad pass pays once per micro-batch. The reference must still be the base, with the adapter trainable after.
+    from peft import PeftModel
+
+    policy = LoraPolicy(_model(), detach_value_hidden=True, critic=False, r=4, alpha=8, target_modules=TARGETS)
+    with torch.no_grad():
+        for p in policy.policy_parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    ids, att, pos = _inputs()
+    base = _model()(input_ids=ids, attention_mask=att, position_ids=pos).logits
+    reports = []
+    real = PeftModel.get_model_status
+    monkeypatch.setattr(PeftModel, "get_model_status", lambda self: reports.append(1) or real(self))
+    assert torch.allclose(policy.reference_logits(ids, att, pos), base, atol=1e-5)
+    response = ids[:, 6:]
+    ref = policy.reference_score(ids, att, pos, response, torch.ones_like(response).float(), 6, 1.0, 64)
+    expected = torch.log_softmax(base[:, 5:9].float(), -1).gather(-1, response[..., None]).squeeze(-1)
+    assert torch.allclose(ref, expected, atol=1e-5)
+    assert reports == []
+    assert all(p.requires_grad for p in policy.policy_parameters())
+    assert (policy.forward(ids, att, pos)[0] - base).abs().max() > 1e-3  # the adapter is on again

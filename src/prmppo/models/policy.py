@@ -50,7 +50,10 @@ def adapters_off(model: nn.Module):
     """Run `model` as its base: every peft adapter layer injected into it (e.g. a PRM's, added by
     `PeftModel.from_pretrained`, which keeps no handle here) switched off. Restores each layer's
     on/off state and every parameter's requires_grad flag afterwards (peft's `enable_adapters`
-    marks the active adapter trainable again). A model without adapter layers runs unchanged."""
+    marks the active adapter trainable again). A model without adapter layers runs unchanged.
+    The policy's reference passes use it too: peft's own `disable_adapter` first builds a status report of
+    every adapter layer (their `repr`s among it): 2.6x the host time of this at the Qwen2-0.5B shape with LoRA
+    on every linear (`benchmarks/adapter_toggle_bench.py`), paid once per micro-batch of the no-grad pass."""
     layers = [m for m in model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
     was_off = [layer.disable_adapters for layer in layers]
     flags = [(p, p.requires_grad) for p in model.parameters()]
@@ -297,7 +300,7 @@ class LoraPolicy(_PolicyBase):
 
     @torch.no_grad()
     def reference_logits(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
-        with self.model.disable_adapter():
+        with adapters_off(self.model):  # peft's disable_adapter reprs every adapter layer for a status check
             return self.model(input_ids=input_ids, attention_mask=decoder_mask(self.model, attention_mask),
                               position_ids=position_ids, use_cache=False).logits
 
@@ -305,7 +308,7 @@ class LoraPolicy(_PolicyBase):
     def reference_score(self, input_ids, attention_mask, position_ids, response_ids, response_mask,
                         prompt_length: int, temperature: float, chunk_tokens: int) -> torch.Tensor:
         """Reference logprobs [b, T] of the response tokens (the base: adapters off), without full logits."""
-        with self.model.disable_adapter():
+        with adapters_off(self.model):  # peft's disable_adapter reprs every adapter layer for a status check
             return self.scoring_call(self.model, lambda: _score(
                 _causal_lm(self.model), None, input_ids, attention_mask, position_ids, response_ids, response_mask,
                 prompt_length, temperature, chunk_tokens, False).logprobs)

@@ -45,7 +45,8 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float,
     if device.type == "cpu":
         return _gae_rows(rewards, values, mask, gamma, lam, bootstrap)
     on_host = [None if t is None else t.cpu() for t in (rewards, values, mask, bootstrap)]
-    return tuple(t.to(device) for t in _gae_rows(*on_host, gamma, lam))
+    rewards, values, mask, bootstrap = on_host
+    return tuple(t.to(device) for t in _gae_rows(rewards, values, mask, gamma, lam, bootstrap))
 
 
 def _gae_rows(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float,

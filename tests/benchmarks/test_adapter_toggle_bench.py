@@ -1,0 +1,15 @@
+"""The adapter-toggle benchmark's smoke run: both sides time an entry and exit of their context, and the toggle
+leaves the model as it found it (adapters on, the adapter's parameters trainable)."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "adapter_toggle_bench.py"
+
+
+def test_smoke_run_times_both_sides(capsys):
+    out = runpy.run_path(str(BENCH))["main"](["--layers", "1", "--repeats", "2", "--rounds", "1"])
+    assert set(out) == {"peft disable_adapter", "adapters_off"} and all(ms > 0 for ms in out.values())
+    assert "peft / adapters_off:" in capsys.readouterr().out
