@@ -15,7 +15,7 @@ device time by family, matmul, attention, inductor's fused kernels, and by kerne
 sat idle inside the phase, in gaps between its kernels and copies). With `--stack` the profiled iteration records
 Python frames too, and kernels_by_phase.txt says what the host ran during each phase's idle gaps: the time by
 the innermost frame of prmppo's code and by the innermost frame of all (a `nonzero`, a guard check, a peft
-context manager, ...).
+context manager, ...), and where other threads (a CUDA backward's autograd engine thread) ran prmppo's code.
 
 With `--sync-iteration N` (CUDA), iteration N runs with CUDA's sync debug mode on warn: every operation that
 makes the host wait for the device (`.item()`, a copy to the host, `nonzero`, ...) is recorded with its phase
@@ -269,8 +269,11 @@ def kernels_by_phase(trace: dict, top: int = 25, top_frames: int = 12) -> str:
                          if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
     host_tids = {e.get("tid") for e in events
                  if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("phase:")}
-    frames = [(e["ts"], e["ts"] + e["dur"], str(e.get("name"))) for e in events
-              if e.get("cat") == "python_function" and "dur" in e and e.get("tid") in host_tids]
+    frames, others = [], {}  # the phase thread's Python frames; every other thread's, by thread
+    for e in events:
+        if e.get("cat") == "python_function" and "dur" in e:
+            frame = (e["ts"], e["ts"] + e["dur"], str(e.get("name")))
+            (frames if e.get("tid") in host_tids else others.setdefault(e.get("tid"), [])).append(frame)
     if not spans:  # the last phase runs on to the last kernel's end
         host = sorted((e["ts"], e["name"][6:], e["ts"] + e.get("dur", 0)) for e in events
                       if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("phase:"))
@@ -291,6 +294,17 @@ def kernels_by_phase(trace: dict, top: int = 25, top_frames: int = 12) -> str:
             for title, table in (("innermost frame of src/prmppo", ours), ("innermost frame", every)):
                 lines.append(f"  the host in those gaps, by {title}:")
                 for frame, us in sorted(table.items(), key=lambda kv: -kv[1])[:top_frames]:
+                    lines.append(f"    {us / 1e3:9.1f} ms  {frame[:150]}")
+            # a CUDA backward runs on the autograd engine's own thread: its Python (a checkpoint's recompute, hooks)
+            # launches kernels there, so its frames in the gaps are counted too, where it ran prmppo's code
+            elsewhere: dict[str, float] = {}
+            for thread_frames in others.values():
+                for frame, us in host_in_gaps(thread_frames, gaps)[0].items():
+                    if frame != "(no prmppo frame)":
+                        elsewhere[frame] = elsewhere.get(frame, 0.0) + us
+            if elsewhere:
+                lines.append("  other threads (the autograd engine's) in those gaps, by innermost frame of src/prmppo:")
+                for frame, us in sorted(elsewhere.items(), key=lambda kv: -kv[1])[:top_frames]:
                     lines.append(f"    {us / 1e3:9.1f} ms  {frame[:150]}")
         families: dict[str, float] = {}
         by_name: dict[str, list] = {}

@@ -116,10 +116,12 @@ def test_kernels_by_phase_reports_each_phases_idle_device_time():
                              {"cat": "python_function", "name": "src/prmppo/ppo/estimators.py(40): gae", "ts": 150,
                               "dur": 600, "tid": 1},
                              {"cat": "python_function", "name": "src/prmppo/ppo/other.py(1): thread", "ts": 0,
-                              "dur": 1000, "tid": 2}]  # another thread's frames are not the host's
+                              "dur": 1000, "tid": 2}]  # another thread's frames are not the phase thread's
     text = profile["kernels_by_phase"](trace)
-    assert "the host in those gaps, by innermost frame of src/prmppo:\n          0.5 ms  prmppo/ppo/estimators.py(40): gae" in text
-    assert "thread" not in text
+    host, other = text.split("other threads")
+    assert "the host in those gaps, by innermost frame of src/prmppo:\n          0.5 ms  prmppo/ppo/estimators.py(40): gae" in host
+    assert "other.py" not in host
+    assert " (the autograd engine's) in those gaps, by innermost frame of src/prmppo:\n          0.5 ms  prmppo/ppo/other.py(1): thread" in other
 
 
 def test_sync_sites_count_each_synchronisation_by_phase_and_line(monkeypatch):
