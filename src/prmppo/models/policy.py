@@ -50,10 +50,8 @@ def adapters_off(model: nn.Module):
     """Run `model` as its base: every peft adapter layer injected into it (e.g. a PRM's, added by
     `PeftModel.from_pretrained`, which keeps no handle here) switched off. Restores each layer's
     on/off state and every parameter's requires_grad flag afterwards (peft's `enable_adapters`
-    marks the active adapter trainable again). A model without adapter layers runs unchanged.
-    The policy's reference passes use it too: peft's own `disable_adapter` first builds a status report of
-    every adapter layer (their `repr`s among it): 2.6x the host time of this at the Qwen2-0.5B shape with LoRA
-    on every linear (`benchmarks/adapter_toggle_bench.py`), paid once per micro-batch of the no-grad pass."""
+    marks the active adapter trainable again). A model without adapter layers runs unchanged. The reference
+    passes use it: peft's `disable_adapter` costs 2.6x its host time (benchmarks/adapter_toggle_bench.py)."""
     layers = [m for m in model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
     was_off = [layer.disable_adapters for layer in layers]
     flags = [(p, p.requires_grad) for p in model.parameters()]
