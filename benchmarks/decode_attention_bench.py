@@ -11,8 +11,9 @@ softmax that the decoder ran before, cuDNN over the first half of the slots (a v
 filled part of the cache would cost), and torch's compiled `flex_attention` with the mask as a score
 modification (the [rows, S] additive mask added to each score): over the heads as the model has them with
 `enable_gqa` (flex's decoding kernel, which packs a group's queries into one tile), and over the folded query.
-Each figure is the mean over `--calls` calls after 10 warm-up calls (CUDA events). The bound is the keys and values read once at the device's `--tbps` (H100 SXM: 3.35 TB/s;
-H200: 4.8). A backend that cannot run the shape prints its error instead of a time.
+Each figure is the mean over `--calls` calls after 10 warm-up calls (CUDA events). The bound is the keys and
+values read once at the device's `--tbps` (H100 SXM: 3.35 TB/s; H200: 4.8). A backend that cannot run the shape
+prints its error instead of a time.
 """
 
 from __future__ import annotations

@@ -76,8 +76,9 @@ class AssembleSteps:
                 if idle_inputs is None:  # its first row, cut by the rollout's own mask
                     idle_inputs = on_device if response_mask is batch.response_mask else \
                         _OnDevice(batch, batch.response_mask, dev)
-                first = torch.zeros(IDLE_PASS_ROWS, dtype=torch.long)
-                self.ranks.idle_pass(lambda: self._score_rows(batch, idle_inputs, first, first.to(dev)))
+                first = torch.zeros(IDLE_PASS_ROWS, dtype=torch.long)  # on the host, and made on the device: no copy
+                on_dev = torch.zeros_like(first, device=dev)
+                self.ranks.idle_pass(lambda: self._score_rows(batch, idle_inputs, first, on_dev))
                 continue
             index = rows.to(dev, non_blocking=True)
             scored, ref, micro_mask, plen = self._score_rows(batch, on_device, rows, index)

@@ -44,8 +44,7 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float,
     device = values.device
     if device.type == "cpu":
         return _gae_rows(rewards, values, mask, gamma, lam, bootstrap)
-    on_host = [None if t is None else t.cpu() for t in (rewards, values, mask, bootstrap)]
-    rewards, values, mask, bootstrap = on_host
+    rewards, values, mask, bootstrap = (None if t is None else t.cpu() for t in (rewards, values, mask, bootstrap))
     return tuple(t.to(device) for t in _gae_rows(rewards, values, mask, gamma, lam, bootstrap))
 
 
