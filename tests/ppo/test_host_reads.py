@@ -124,3 +124,20 @@ def test_the_advantage_by_quarter_metrics_are_read_off_the_device_at_once():
     assert got.keys() == want.keys() and "adv/wrong_q2" not in got  # wrong rows of 1 and 2 tokens: q1 and q3
     assert all(abs(got[k] - want[k]) < 1e-6 for k in want)
     assert len(OnDevice.reads) == 1, OnDevice.reads  # one read for all eight cells, not two per cell
+
+
+def test_the_update_never_walks_the_models_parameters_and_leaves_no_gradient(monkeypatch):
+    """Each optimizer step drops the trained parameters' gradients from the list the trainer took once: asking
+    the policy walks every named parameter of the model, host time in every step. Checked in a value warmup
+    iteration too, whose steps leave the policy's parameters to this loop alone (no master copy takes them)."""
+    for overrides, iteration in (((), 0), (("ppo.advantage_estimator=gae", "ppo.value_warmup_iterations=1"), 0)):
+        trainer = _trainer(_ppo(*overrides), torch.bfloat16)
+        batch = _rollout(MIXED)
+        plan = trainer.plan(batch, iteration)
+        train, _ = trainer.assemble(batch, trainer.reward(batch)[0], plan)
+        asked = []
+        monkeypatch.setattr(trainer.policy, "policy_parameters", lambda: asked.append(1) or [])
+        trainer.update(train, iteration, plan)
+        assert asked == []
+        assert trainer.trained_parameters and all(p.grad is None for p in trainer.trained_parameters)
+        assert all(p.grad is None for p in trainer.policy.model.parameters() if p.requires_grad)

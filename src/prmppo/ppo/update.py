@@ -198,7 +198,7 @@ class UpdateSteps:
             self.policy_steps_taken += 1
         self.skipped_steps += skipped
         self.policy_optimizer.zero_grad(set_to_none=True)
-        for p in self.policy.policy_parameters():
+        for p in self.trained_parameters:
             p.grad = None
         if self.value_optimizer is not None:
             self.value_optimizer.zero_grad(set_to_none=True)
