@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
+import runpy
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,10 +16,7 @@ TINY = ["--shape", "tiny-qwen2", "--vocab", "100", "--prompt-tokens", "3", "--ne
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("flop_floor", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return SimpleNamespace(**runpy.run_path(str(BENCH)))  # the script's functions, not run as __main__
 
 
 def test_the_counts_of_a_tiny_shape(bench):
