@@ -185,7 +185,9 @@ def test_the_trainer_passes_the_std_floor_to_grpo():
 # ----------------------------------------------------------------------------- the trainer uses the rule
 
 def _ppo(*overrides: str):
-    return ppo_settings(*overrides)
+    # two optimizer steps of 4 rows: assemble computes the whole rule itself (one step of all 8 rows would leave
+    # the KL pull to the update: tests/ppo/test_old_from_update.py)
+    return ppo_settings("ppo.minibatch_rows=4", *overrides)
 
 
 def _trainer(ppo) -> PPOTrainer:

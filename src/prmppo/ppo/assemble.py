@@ -7,7 +7,9 @@ so the first minibatch's ratio is 1 to the bit in any dtype; under N ranks each 
 `ranks.deal`, with the rows summed over the ranks after); then the in-reward KL, and the
 advantages from the reward terms (`ppo/advantages.py`: the task advantages normalised, the KL pull
 added after at kl_coef, the same in every arm). With `drop_uniform_groups`, the rows of a prompt
-whose samples were all right or all wrong are masked out of the update.
+whose samples were all right or all wrong are masked out of the update. An update of one optimizer step
+(`old_from_update`) needs no policy pass here for its rows: it takes their old logprobs, and the KL pull of
+their advantages, from its own forward, and the metrics of the old logprobs follow it (`old_policy_metrics`).
 """
 
 from __future__ import annotations
@@ -51,8 +53,20 @@ class AssembleSteps:
         return plan_update(attention_mask, update_mask, ppo.ppo_epochs, ppo.minibatch_rows, ppo.micro_batch_rows,
                            ppo.micro_batch_tokens, generator, self.width_multiple)
 
+    def old_from_update(self, plan: UpdatePlan) -> bool:
+        """True when the update takes one optimizer step (one epoch of one minibatch), without a critic, on one
+        rank: the policy it steps from is then the sampling policy as its own forward scores it, to the bit
+        (the same micro-batches as the no-grad pass, `plan`), so the no-grad pass leaves the policy out for the
+        rows the update learns from, and the update takes their old logprobs, and with them the KL pull of their
+        advantages, from its forward (`TrainBatch.old_from_update`). `GRPOTrainer` likewise skips the old
+        logprobs when one optimizer step takes each generation batch. The first minibatch's ratio is then 1 by
+        construction (`ppo/first_minibatch_ratio_dev` 0): no second pass exists to disagree with it."""
+        return (len(plan.epochs) == 1 and len(plan.epochs[0]) == 1 and not self.uses_critic
+                and self.ranks.world_size == 1)
+
     @torch.no_grad()
-    def _forward_no_grad(self, batch: RolloutBatch, micro_batches: list, response_mask: torch.Tensor):
+    def _forward_no_grad(self, batch: RolloutBatch, micro_batches: list, response_mask: torch.Tensor,
+                         policy: bool = True):
         """(old logprobs, reference logprobs, values, value after each row's last token), all [B, T] / [B],
         for the rows of `micro_batches` (this rank's row index tensors, from `ranks.deal`; other rows stay 0
         here and come from the other ranks: disjoint rows, so a sum over the ranks gathers them exactly).
@@ -64,7 +78,8 @@ class AssembleSteps:
 
         The rollout's token tensors and `response_mask` go to the device once, here; each micro-batch is cut
         from those copies, its columns read off the host's masks: a copy from the host per micro-batch would
-        make the host wait for the device's queue to drain every time (a blocking copy synchronises)."""
+        make the host wait for the device's queue to drain every time (a blocking copy synchronises). Without
+        `policy` only the reference runs: the old logprobs stay 0 (the update's, `old_from_update`)."""
         dev = self.device
         on_device, idle_inputs = _OnDevice(batch, response_mask, dev), None
         old_lp = torch.zeros(batch.response_ids.shape, device=dev)  # [B, T]
@@ -78,13 +93,15 @@ class AssembleSteps:
                         _OnDevice(batch, batch.response_mask, dev)
                 first = torch.zeros(IDLE_PASS_ROWS, dtype=torch.long)  # on the host, and made on the device: no copy
                 on_dev = torch.zeros_like(first, device=dev)
-                self.ranks.idle_pass(lambda: self._score_rows(batch, idle_inputs, first, on_dev))
+                self.ranks.idle_pass(lambda: self._score_rows(batch, idle_inputs, first, on_dev, policy))
                 continue
             index = rows.to(dev, non_blocking=True)
-            scored, ref, micro_mask, plen = self._score_rows(batch, on_device, rows, index)
+            scored, ref, micro_mask, plen = self._score_rows(batch, on_device, rows, index, policy)
             width = micro_mask.shape[1]
-            old_lp[index, :width], ref_lp[index, :width] = scored.logprobs, ref
-            if scored.values is not None:
+            ref_lp[index, :width] = ref
+            if scored is not None:
+                old_lp[index, :width] = scored.logprobs
+            if scored is not None and scored.values is not None:
                 values[index, :width] = scored.values[:, plen - 1:plen - 1 + width]  # V(s_t): before response token t
                 lengths = micro_mask.sum(-1).long()  # [b]
                 after[index] = scored.values.gather(1, (plen - 1 + lengths)[:, None]).squeeze(1)  # after the last token
@@ -92,10 +109,11 @@ class AssembleSteps:
         gathered = [self.ranks.sum_rows(t) for t in (old_lp, ref_lp, values, after)]  # every rank's rows
         return gathered[0], gathered[1], gathered[2] if critic else None, gathered[3] if critic else None
 
-    def _score_rows(self, batch: RolloutBatch, on_device: "_OnDevice", rows: torch.Tensor, index: torch.Tensor):
-        """Policy scores, reference logprobs [b, T'], the micro-batch's mask [b, T'] and its prompt length P'
-        for `rows` [b] of `batch` (`index`: the same rows on the device), cut to the columns `on_device.mask`
-        uses (read off its host copy)."""
+    def _score_rows(self, batch: RolloutBatch, on_device: "_OnDevice", rows: torch.Tensor, index: torch.Tensor,
+                    policy: bool = True):
+        """Policy scores (None without `policy`), reference logprobs [b, T'], the micro-batch's mask [b, T'] and
+        its prompt length P' for `rows` [b] of `batch` (`index`: the same rows on the device), cut to the columns
+        `on_device.mask` uses (read off its host copy)."""
         ppo = self.ppo
         columns, width, plen = trim_columns(batch.attention_mask[rows], on_device.host_mask[rows],
                                             batch.prompt_length, self.width_multiple)
@@ -103,13 +121,15 @@ class AssembleSteps:
         ids, att, pos = (t[index][:, columns].contiguous() for t in (on_device.input_ids, on_device.attention_mask,
                                                                      on_device.position_ids))
         response_ids, micro_mask = (t[index, :width] for t in (on_device.response_ids, on_device.mask))
+        scored = None
         with self._precision():
             # compiled layers: the policy's scores come from the graph the update's forward runs (grad mode),
             # detached at once; a no-grad graph is another compilation, whose kernels round differently
             with torch.enable_grad() if ppo.compile else torch.no_grad():
-                scored = self.policy.score(ids, att, pos, response_ids, micro_mask, plen, ppo.temperature,
-                                           ppo.logit_chunk_tokens)
-            scored = type(scored)(*(None if t is None else t.detach() for t in scored))
+                if policy:
+                    scored = self.policy.score(ids, att, pos, response_ids, micro_mask, plen, ppo.temperature,
+                                               ppo.logit_chunk_tokens)
+            scored = scored if scored is None else type(scored)(*(None if t is None else t.detach() for t in scored))
             ref = self.policy.reference_score(ids, att, pos, response_ids, micro_mask, plen, ppo.temperature,
                                               ppo.logit_chunk_tokens)
         return scored, ref, micro_mask, plen
@@ -120,19 +140,20 @@ class AssembleSteps:
                                  self.ppo.micro_batch_tokens, self.width_multiple)
         return [rows[bucket] for bucket in buckets]
 
-    def _old_and_reference(self, batch: RolloutBatch, plan: UpdatePlan, keep: torch.Tensor):
+    def _old_and_reference(self, batch: RolloutBatch, plan: UpdatePlan, keep: torch.Tensor, policy: bool = True):
         """`_forward_no_grad` over every row. The rows the update learns from run in exactly the
         micro-batches of the update's first epoch (same rows, order, trimmed widths and logit chunks;
         under N ranks each rank the ones `ranks.deal` gives it of each minibatch, as the update does),
         so the first minibatch's ratio is 1 to the bit on every rank whatever shape-dependent rounding
         the kernels do (`ppo/first_minibatch_ratio_dev`). The rows of dropped groups (`keep` [B] 0), which
         only enter the KL metrics and the critic's return statistics, run afterwards in their own length
-        buckets."""
+        buckets. Without `policy` the update's rows get no old logprobs here (`old_from_update`); the dropped rows
+        always do."""
         kept = keep.cpu().bool()  # [B]
         update_mask = batch.response_mask * kept[:, None]  # [B, T] as the update will see it
         micro_batches = [rows if rows is not None and kept[rows].any() else None
                          for minibatch in plan.epochs[0] for rows in self.ranks.deal(list(minibatch.micro_batches))]
-        scores = self._forward_no_grad(batch, micro_batches, update_mask)
+        scores = self._forward_no_grad(batch, micro_batches, update_mask, policy)
         dropped = (~kept).nonzero().squeeze(1)  # [d]
         if not len(dropped):
             return scores
@@ -147,12 +168,10 @@ class AssembleSteps:
         `plan`'s first-epoch micro-batches (the plan the update will run), rewards, advantages."""
         ppo, dev = self.ppo, self.device
         keep, metrics = self._kept_rows(batch)  # [B]
-        old_lp, ref_lp, values, after = self._old_and_reference(batch, plan, keep)
+        one_step = self.old_from_update(plan)
+        old_lp, ref_lp, values, after = self._old_and_reference(batch, plan, keep, policy=not one_step)
         mask = batch.response_mask.to(dev)
-        kl = kl_estimate(old_lp, ref_lp, ppo.kl_estimator) * mask  # [B, T]
-        metrics.update({"ppo/kl_ref": float(maths.masked_sum(kl, mask) / mask.shape[0]),
-                        "rollout/engine_logprob_abs_diff":
-                            float(maths.masked_mean((batch.engine_logprobs.to(dev) - old_lp).abs(), mask))})
+        kl = kl_estimate(old_lp, ref_lp, ppo.kl_estimator) * mask  # [B, T] (one_step: the update's rows' to come)
         update_mask = mask * keep[:, None]  # [B, T] the update's mask: dropped rows carry nothing
         settings = dict(estimator=ppo.advantage_estimator, group_size=ppo.n_samples_per_prompt, gamma=ppo.gamma,
                         whiten=ppo.whiten_advantages, group_std_floor=ppo.group_std_floor,
@@ -165,10 +184,10 @@ class AssembleSteps:
         terms = [(term.values.to(dev), term.events.to(dev)) for term in rewards.terms.values()]
         # 4. task advantages normalised, then the KL pull at kl_coef (ppo/advantages.py: the same in every arm)
         out = advantages_rule.compute(terms, kl, mask, update_mask, kl_coef=ppo.kl_coef, **settings)
-        advantages, returns, mask = out.advantages, out.returns, update_mask
-        metrics.update({"kl/effective_coef": advantages_rule.effective_kl_coef(advantages, out.task, kl, mask,
-                                                                               ppo.gamma),
-                        "adv/task_scale": out.task_scale})
+        # one_step: the task part alone, a copy the update completes in place with the KL pull of its old logprobs
+        advantages = out.task.clone() if one_step else out.advantages
+        returns, mask, self.task_advantages = out.returns, update_mask, out.task
+        metrics["adv/task_scale"] = out.task_scale
         if self.uses_critic:
             metrics.update({"value/mean": float(maths.masked_mean(values, batch.response_mask.to(dev))),
                             "value/explained_variance": maths.explained_variance(values, returns,
@@ -177,13 +196,28 @@ class AssembleSteps:
             values = self.policy.value_head.update_return_stats(returns, batch.response_mask.to(dev), values)
         else:
             values = returns = torch.zeros_like(mask)
-        metrics.update(advantage_by_quarter(advantages, mask, batch.outcome.to(dev)))
         metrics.update(advantages_rule.identical_group_share(out.task, batch.response_ids.to(dev), mask,
                                                              ppo.n_samples_per_prompt))
         train = TrainBatch(batch.input_ids.to(dev), batch.attention_mask.to(dev), batch.position_ids.to(dev),
                            batch.response_ids.to(dev), mask, old_lp, ref_lp, values, advantages, returns,
-                           batch.prompt_length)
+                           batch.prompt_length, old_from_update=one_step)
+        if not one_step:  # else after the update (`PPOTrainer.iteration`), once it has taken the old logprobs
+            metrics.update(self.old_policy_metrics(batch, train, out.task))
         return train, metrics
+
+    def old_policy_metrics(self, batch: RolloutBatch, train: TrainBatch, task: torch.Tensor) -> dict:
+        """The metrics read off the old logprobs: the KL to the reference, the engine's gap to them, the KL's
+        weight in the advantages and their means by quarter. `task` [B, T] is the task part of `train.advantages`."""
+        ppo, dev = self.ppo, self.device
+        mask = batch.response_mask.to(dev)
+        kl = kl_estimate(train.old_logprobs, train.ref_logprobs, ppo.kl_estimator) * mask  # [B, T]
+        metrics = {"ppo/kl_ref": float(maths.masked_sum(kl, mask) / mask.shape[0]),
+                   "rollout/engine_logprob_abs_diff":
+                       float(maths.masked_mean((batch.engine_logprobs.to(dev) - train.old_logprobs).abs(), mask)),
+                   "kl/effective_coef": advantages_rule.effective_kl_coef(train.advantages, task, kl,
+                                                                          train.response_mask, ppo.gamma)}
+        metrics.update(advantage_by_quarter(train.advantages, train.response_mask, batch.outcome.to(dev)))
+        return metrics
 
     def _kept_rows(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict]:
         """[B] 1 for the rows the update learns from, 0 for those of a dropped uniform group, and the

@@ -65,7 +65,12 @@ class RolloutBatch:
 
 @dataclass
 class TrainBatch:
-    """Everything the update needs, computed once per iteration before any weight moves."""
+    """Everything the update needs, computed once per iteration before any weight moves.
+
+    With `old_from_update` (an update of one optimizer step: `AssembleSteps.old_from_update`) the old logprobs of
+    the rows the update learns from are the update's own, taken as its forward makes them: `old_logprobs` holds
+    placeholders there and `advantages` the task part alone, and the update writes both in place (the KL pull
+    added) before the loss reads them."""
 
     input_ids: Tensor  # [B, P + T]
     attention_mask: Tensor  # [B, P + T]
@@ -78,6 +83,7 @@ class TrainBatch:
     advantages: Tensor  # [B, T]
     returns: Tensor  # [B, T] value targets
     prompt_length: int
+    old_from_update: bool = False
 
     def rows(self, index: Tensor) -> "TrainBatch":
         """The sub-batch of rows `index` (a minibatch or micro-batch)."""
@@ -96,7 +102,7 @@ class TrainBatch:
         # device, are contiguous), so a view would compile another graph in the first update
         out = {k: v[:, columns].contiguous() if k in ("input_ids", "attention_mask", "position_ids") else v[:, :width]
                for k, v in picked.items() if isinstance(v, Tensor)}
-        return TrainBatch(**out, prompt_length=prompt_length)
+        return TrainBatch(**out, prompt_length=prompt_length, old_from_update=self.old_from_update)
 
 
 def trim_columns(attention_mask: Tensor, response_mask: Tensor, prompt_length: int,

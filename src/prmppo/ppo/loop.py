@@ -7,7 +7,9 @@ One iteration (`PPOTrainer.iteration`) reads like the algorithm:
   2. score    outcome verifier + the arm's reward object -> reward terms [B, T] (rewards/terms.py);
   3. assemble policy / reference logprobs and values with no grad, in the micro-batches the update's
               first epoch will run (`plan`: the same rows, widths and logit chunks, so the first
-              minibatch's ratio is exactly 1 in any dtype); the in-reward KL;
+              minibatch's ratio is exactly 1 in any dtype); the in-reward KL. An update of one optimizer
+              step (one epoch, one minibatch, no critic, one rank) takes the old logprobs of the rows it
+              learns from from its own forward instead, the same bits (`AssembleSteps.old_from_update`);
   4. advantages: the task advantages from the reward terms alone, GAE with decoupled lambdas (lam_actor
               for advantages, lam_critic for targets; rows cut at max_new_tokens bootstrap from the value
               at the cut), or a group baseline (rloo / grpo) that compares each reward term step with step
@@ -201,6 +203,8 @@ class PPOTrainer(AssembleSteps, UpdateSteps):
             train, assemble_metrics = self.assemble(batch, rewards, plan)  # 3, 4
         with _timer(times, "perf/update_s"):
             update_metrics = self.update(train, iteration, plan)  # 5
+            if train.old_from_update:  # the update took the old logprobs: their metrics now
+                assemble_metrics.update(self.old_policy_metrics(batch, train, self.task_advantages))
         with _timer(times, "perf/sync_s"):
             synced = self.sync.maybe_sync(self.policy, iteration)  # 6
         lengths = batch.response_mask.sum(-1)

@@ -21,7 +21,7 @@ import warnings
 import torch
 
 from prmppo.logger.console import progress
-from prmppo.ppo import maths
+from prmppo.ppo import estimators, maths
 from prmppo.ppo.batch import IDLE_PASS_ROWS, Minibatch, TrainBatch, UpdatePlan, trim_columns
 from prmppo.rewards.kl import kl_estimate
 
@@ -51,8 +51,12 @@ class UpdateSteps:
                                               mb.response_mask, ppo.value_clip, ppo.loss_agg, **counts)
             loss, stats = ppo.vf_coef * v_loss, {"value/loss": v_loss.detach(), "value/clip_fraction": v_clip}
         if train_policy:
-            logprobs = scored.logprobs
-            p_loss, pstats = maths.policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
+            logprobs, old, advantages = scored.logprobs, mb.old_logprobs, mb.advantages
+            if mb.old_from_update:  # one optimizer step: this forward is the old policy's (TrainBatch)
+                old = logprobs.detach()
+                advantages = advantages + self._kl_pull(old, mb.ref_logprobs, mb.response_mask)
+                self._taken = (old, advantages)
+            p_loss, pstats = maths.policy_loss(logprobs, old, advantages, mb.response_mask,
                                                ppo.clip_low, ppo.clip_high, ppo.clip_c, ppo.loss_agg, **counts)
             ent = maths.aggregate(scored.entropy, mb.response_mask, ppo.loss_agg, **counts)
             loss = loss + p_loss - ppo.entropy_coef * ent
@@ -64,6 +68,16 @@ class UpdateSteps:
             stats.update({"ppo/policy_loss": p_loss.detach(), "ppo/entropy": ent.detach(),
                           **{f"ppo/{k}": v for k, v in pstats._asdict().items()}})
         return loss, stats
+
+    def _kl_pull(self, old: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The KL pull [b, T'] of rows whose old logprobs `old` [b, T'] the update's forward took: what
+        `advantages.compute` adds to the task part, row by row (`mask` [b, T'] the update's tokens, which are
+        all of a kept row's response), so the same operations on the same values: the same bits. On an
+        accelerator its return-to-go reads the KL off the device (`estimators.gae`): one wait per micro-batch."""
+        ppo, zero = self.ppo, torch.zeros((), dtype=torch.float32, device=mask.device)
+        kl = kl_estimate(old, ref, ppo.kl_estimator) * mask  # [b, T']
+        pull = estimators.returns_to_go(torch.where(mask.bool(), -ppo.kl_coef * kl, zero), mask, ppo.gamma)
+        return torch.where(mask.bool(), pull, zero)
 
     def update(self, train: TrainBatch, iteration: int, plan: UpdatePlan | None = None) -> dict:
         """ppo_epochs over `plan`'s minibatches (None: the plan `self.plan` gives for this iteration,
@@ -115,8 +129,12 @@ class UpdateSteps:
                 continue
             # rows of similar length, no all-padding column (compiled layers: a width of `width_multiple`s)
             cut = trim_columns(attention[micro], update_mask[micro], train.prompt_length, self.width_multiple)
-            part = train.rows(micro.to(device, non_blocking=True)).trimmed(cut)
+            index = micro.to(device, non_blocking=True)
+            part = train.rows(index).trimmed(cut)
             loss, stats = self._micro_loss(part, tokens, seqs, train_policy)
+            if part.old_from_update and train_policy:  # the TrainBatch completed: what the loss read
+                width = part.response_ids.shape[1]
+                train.old_logprobs[index, :width], train.advantages[index, :width] = self._taken
             loss.backward()
             if ratio is None and train_policy:
                 ratio = (stats["ppo/ratio_min"], stats["ppo/ratio_max"])
