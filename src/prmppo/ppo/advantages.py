@@ -52,14 +52,14 @@ class Advantages(NamedTuple):
     task: Tensor  # [B, T] the task part: `advantages` at kl_coef 0, 0 off the update's tokens
 
 
-def compute(terms: list[tuple[Tensor, Tensor]], kl: Tensor, mask: Tensor, update_mask: Tensor, *,
+def compute(terms: list[tuple[Tensor, Tensor]], kl: Tensor | None, mask: Tensor, update_mask: Tensor, *,
             estimator: str, group_size: int, gamma: float, kl_coef: float, whiten: bool,
             group_std_floor: float, group_same_tol: float, lam_actor: float = 1.0, lam_critic: float = 1.0,
             values: Tensor | None = None, bootstrap: Tensor | None = None) -> Advantages:
     """The advantages of one batch under the rule in the module docstring.
 
     `terms`: the reward terms as (values [B, T], events [B, T] bool); `kl` [B, T] the per-token KL
-    estimate; `mask` [B, T] the response tokens; `update_mask` [B, T] the tokens the update learns
+    estimate (None: no KL pull, the advantages are the task part); `mask` [B, T] the response tokens; `update_mask` [B, T] the tokens the update learns
     from (the normalisation's statistics are taken over these). `values` [B, T] and `bootstrap` [B]
     (the value after a truncated row's last token, 0 for rows that ended) are the critic's, used when
     `estimator` is `gae`. `group_std_floor` and `group_same_tol` (reward units, 0 = off) are grpo's
@@ -83,10 +83,18 @@ def compute(terms: list[tuple[Tensor, Tensor]], kl: Tensor, mask: Tensor, update
         if estimator == "gae":
             task = task - maths.masked_mean(task, update_mask)
         task = task / std
-    kl_pull = estimators.returns_to_go(torch.where(mask.bool(), -kl_coef * kl, zero), mask, gamma)  # [B, T]
-    kl_pull = torch.where(update_mask.bool(), kl_pull, zero)
     task = torch.where(update_mask.bool(), task, zero)
-    return Advantages(task + kl_pull, returns, scale, kl_pull, task)
+    # kl None: the task part alone (an update of one optimizer step adds the pull itself, ppo/update.py)
+    pull = torch.zeros_like(task) if kl is None else kl_pull(kl, mask, update_mask, kl_coef, gamma)  # [B, T]
+    return Advantages(task + pull, returns, scale, pull, task)
+
+
+def kl_pull(kl: Tensor, mask: Tensor, update_mask: Tensor, kl_coef: float, gamma: float) -> Tensor:
+    """The KL pull [B, T]: the return-to-go of `-kl_coef * kl` over each row's response tokens (`mask`),
+    0 off the update's tokens (`update_mask`). Row by row, so any subset of rows gives the same bits."""
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+    pull = estimators.returns_to_go(torch.where(mask.bool(), -kl_coef * kl, zero), mask, gamma)  # [B, T]
+    return torch.where(update_mask.bool(), pull, zero)
 
 
 def effective_kl_coef(with_kl: Tensor, without_kl: Tensor, kl: Tensor, mask: Tensor, gamma: float) -> float:

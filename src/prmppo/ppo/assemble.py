@@ -171,7 +171,7 @@ class AssembleSteps:
         one_step = self.old_from_update(plan)
         old_lp, ref_lp, values, after = self._old_and_reference(batch, plan, keep, policy=not one_step)
         mask = batch.response_mask.to(dev)
-        kl = kl_estimate(old_lp, ref_lp, ppo.kl_estimator) * mask  # [B, T] (one_step: the update's rows' to come)
+        kl = None if one_step else kl_estimate(old_lp, ref_lp, ppo.kl_estimator) * mask  # [B, T]
         update_mask = mask * keep[:, None]  # [B, T] the update's mask: dropped rows carry nothing
         settings = dict(estimator=ppo.advantage_estimator, group_size=ppo.n_samples_per_prompt, gamma=ppo.gamma,
                         whiten=ppo.whiten_advantages, group_std_floor=ppo.group_std_floor,
@@ -184,7 +184,8 @@ class AssembleSteps:
         terms = [(term.values.to(dev), term.events.to(dev)) for term in rewards.terms.values()]
         # 4. task advantages normalised, then the KL pull at kl_coef (ppo/advantages.py: the same in every arm)
         out = advantages_rule.compute(terms, kl, mask, update_mask, kl_coef=ppo.kl_coef, **settings)
-        # one_step: the task part alone, a copy the update completes in place with the KL pull of its old logprobs
+        # one_step: the task part alone (kl None), a copy the update completes in place with the KL pull of its
+        # old logprobs
         advantages = out.task.clone() if one_step else out.advantages
         returns, mask, self.task_advantages = out.returns, update_mask, out.task
         metrics["adv/task_scale"] = out.task_scale

@@ -21,7 +21,8 @@ import warnings
 import torch
 
 from prmppo.logger.console import progress
-from prmppo.ppo import estimators, maths
+from prmppo.ppo import advantages as advantages_rule
+from prmppo.ppo import maths
 from prmppo.ppo.batch import IDLE_PASS_ROWS, Minibatch, TrainBatch, UpdatePlan, trim_columns
 from prmppo.rewards.kl import kl_estimate
 
@@ -70,14 +71,13 @@ class UpdateSteps:
         return loss, stats
 
     def _kl_pull(self, old: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The KL pull [b, T'] of rows whose old logprobs `old` [b, T'] the update's forward took: what
-        `advantages.compute` adds to the task part, row by row (`mask` [b, T'] the update's tokens, which are
-        all of a kept row's response), so the same operations on the same values: the same bits. On an
-        accelerator its return-to-go reads the KL off the device (`estimators.gae`): one wait per micro-batch."""
-        ppo, zero = self.ppo, torch.zeros((), dtype=torch.float32, device=mask.device)
+        """The KL pull [b, T'] of rows whose old logprobs `old` [b, T'] the update's forward took: the rule of
+        `advantages.kl_pull` on these rows (`mask` [b, T'] the update's tokens, which are all of a kept row's
+        response), so the same bits as on the whole batch. On an accelerator its return-to-go reads the KL off
+        the device (`estimators.gae`): one wait per micro-batch."""
+        ppo = self.ppo
         kl = kl_estimate(old, ref, ppo.kl_estimator) * mask  # [b, T']
-        pull = estimators.returns_to_go(torch.where(mask.bool(), -ppo.kl_coef * kl, zero), mask, ppo.gamma)
-        return torch.where(mask.bool(), pull, zero)
+        return advantages_rule.kl_pull(kl, mask, mask, ppo.kl_coef, ppo.gamma)
 
     def update(self, train: TrainBatch, iteration: int, plan: UpdatePlan | None = None) -> dict:
         """ppo_epochs over `plan`'s minibatches (None: the plan `self.plan` gives for this iteration,
