@@ -87,6 +87,25 @@ def test_one_step_trains_the_weights_of_the_two_pass_iteration_to_the_bit(arm, o
         assert no_grad_fast == 0
 
 
+def test_a_dropped_groups_rows_beside_kept_rows_keep_their_old_logprobs():
+    """Groups of 3 in micro-batches of 4: a dropped group's rows share micro-batches with rows the update learns
+    from. The update writes back the old logprobs of the rows it learns from only; a dropped row's (0 under the
+    update's mask) stay the no-grad pass's, which the KL metrics read."""
+    overrides = ("ppo.advantage_estimator=rloo", "ppo.drop_uniform_groups=true", "ppo.kl_estimator=k3",
+                 "ppo.n_samples_per_prompt=3", "ppo.minibatch_rows=12")
+    fast, slow = _trainer(*overrides), _trainer(*overrides)
+    slow.old_from_update = lambda plan: False
+    mixed = 0
+    for iteration in range(4):
+        keep, _ = fast._kept_rows(fast.sample(iteration))
+        plan = fast.plan(fast.sample(iteration), iteration)
+        mixed += sum(0 < int(keep[rows].sum()) < len(rows) for rows in plan.epochs[0][0].micro_batches)
+        a, b = fast.iteration(iteration), slow.iteration(iteration)
+        assert {k: v for k, v in a.items() if not k.startswith("perf/")} == \
+            {k: v for k, v in b.items() if not k.startswith("perf/")}, f"iteration {iteration}"
+    assert mixed > 0  # the case under test happened
+
+
 def test_several_optimizer_steps_or_a_critic_keep_the_policys_no_grad_pass():
     for trainer in (_trainer("ppo.minibatch_rows=8"), _trainer("ppo.ppo_epochs=2"),
                     _trainer("ppo.advantage_estimator=gae", critic=True)):

@@ -133,8 +133,12 @@ class UpdateSteps:
             part = train.rows(index).trimmed(cut)
             loss, stats = self._micro_loss(part, tokens, seqs, train_policy)
             if part.old_from_update and train_policy:  # the TrainBatch completed: what the loss read
-                width = part.response_ids.shape[1]
-                train.old_logprobs[index, :width], train.advantages[index, :width] = self._taken
+                # only the rows it learns from: a dropped group's row in this micro-batch has no update token, so
+                # its logprobs here are 0, and its old logprobs (for the KL metrics) came from the no-grad pass
+                learns = update_mask[micro].any(-1).nonzero().squeeze(1)  # [b'] positions in the micro-batch (host)
+                width, into = part.response_ids.shape[1], micro[learns].to(device, non_blocking=True)
+                old, advantages = (t[learns.to(device, non_blocking=True)] for t in self._taken)
+                train.old_logprobs[into, :width], train.advantages[into, :width] = old, advantages
             loss.backward()
             if ratio is None and train_policy:
                 ratio = (stats["ppo/ratio_min"], stats["ppo/ratio_max"])
