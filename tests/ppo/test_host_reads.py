@@ -1,10 +1,10 @@
-"""The update's micro-batch loop does not stop the host to read its own device tensors.
+"""The update's micro-batch loop and the no-grad pass do not stop the host to read their own device tensors.
 
 On a GPU every read of a device tensor's value (`float(t)`, `t.item()`, `if t.any()`, a boolean
 selection, whose size the host must learn) waits until the device has run everything queued before
-it, and the device then idles while the host prepares the next kernels. The update cuts each
-micro-batch from host copies of the masks and keeps its statistics on the device until the update
-ends; the one read left per micro-batch is `token_scores` learning how many response tokens it scores.
+it, and the device then idles while the host prepares the next kernels. The update and the no-grad pass cut
+each micro-batch from host copies of the masks, and find the response tokens `token_scores` scores there too
+(`response_positions`); the update keeps its statistics on the device until it ends.
 
 The test marks the TrainBatch's tensors with a tensor subclass (every tensor computed from them
 carries it, and `.cpu()` hands back a plain tensor) and records each value read of a marked tensor
@@ -45,7 +45,7 @@ class OnDevice(torch.Tensor):
         return out
 
 
-def test_the_update_reads_device_values_once_per_micro_batch_and_once_at_the_end(monkeypatch):
+def test_the_update_reads_no_device_value_until_its_last_micro_batch(monkeypatch):
     trainer = _trainer(_ppo(), torch.float32)  # 16 rows: 2 minibatches of 8 rows, micro-batches of 2
     batch = _rollout(MIXED)
     plan = trainer.plan(batch, 0)
@@ -65,23 +65,23 @@ def test_the_update_reads_device_values_once_per_micro_batch_and_once_at_the_end
 
     micro_batches = sum(len(minibatch.micro_batches) for minibatch in plan.epochs[0])
     loop = [where for phase, where in OnDevice.reads if phase == "loop"]
-    assert loop == ["token_scores.py:token_scores"] * micro_batches, loop
+    assert micro_batches == 8 and loop == [], loop
     # the statistics: one read each, after the last micro-batch
     assert len([1 for phase, _ in OnDevice.reads if phase == "metrics"]) <= 2 * len(out)
     assert out["ppo/first_minibatch_ratio_dev"] == 0.0
 
 
 class Copied(torch.Tensor):
-    """Stands for a rollout tensor on the host: `copies` counts its `.to(device)` calls (each a blocking copy on
-    a GPU: the host waits for the device's queue to drain)."""
+    """Stands for a rollout tensor on the host: `copies` counts its blocking `.to(device)` calls (on a GPU the host
+    waits for the device's queue to drain; a `non_blocking` copy of an index is queued behind it instead)."""
 
     copies = 0
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.Tensor.to and (any(isinstance(a, (torch.device, str)) for a in args[1:])
-                                        or "device" in kwargs):
+        if func is torch.Tensor.to and not kwargs.get("non_blocking") and (
+                any(isinstance(a, (torch.device, str)) for a in args[1:]) or "device" in kwargs):
             cls.copies += 1
             return super().__torch_function__(func, types, args, kwargs).as_subclass(torch.Tensor)
         return super().__torch_function__(func, types, args, kwargs)
@@ -99,6 +99,32 @@ def test_the_no_grad_pass_copies_the_rollout_to_the_device_once_not_per_micro_ba
     Copied.copies = 0
     got = trainer._forward_no_grad(marked, micro_batches, marked.response_mask)
     assert Copied.copies == 5, Copied.copies  # the four token tensors and the mask, once each
+    for a, b in zip(got, want):
+        if a is not None:
+            torch.testing.assert_close(a.as_subclass(torch.Tensor), b, rtol=0, atol=0)
+
+
+def test_the_no_grad_pass_reads_no_value_of_its_device_tensors(monkeypatch):
+    """The rollout's copies on the device marked: scoring the policy and the reference of every micro-batch reads
+    none of their values (the response tokens' positions come from the host's mask)."""
+    from prmppo.ppo import assemble
+
+    trainer = _trainer(_ppo(), torch.float32)
+    batch = _rollout(MIXED)
+    plan = trainer.plan(batch, 0)
+    micro_batches = [rows for minibatch in plan.epochs[0] for rows in minibatch.micro_batches]
+    want = trainer._forward_no_grad(batch, micro_batches, batch.response_mask)
+    copy_once = assemble._OnDevice.__init__
+
+    def marked(self, *args):
+        copy_once(self, *args)
+        for name in ("input_ids", "attention_mask", "position_ids", "response_ids", "mask"):
+            setattr(self, name, getattr(self, name).as_subclass(OnDevice))
+
+    monkeypatch.setattr(assemble._OnDevice, "__init__", marked)
+    OnDevice.reads, OnDevice.phase = [], "loop"
+    got = trainer._forward_no_grad(batch, micro_batches, batch.response_mask)
+    assert len(micro_batches) == 8 and OnDevice.reads == [], OnDevice.reads
     for a, b in zip(got, want):
         if a is not None:
             torch.testing.assert_close(a.as_subclass(torch.Tensor), b, rtol=0, atol=0)

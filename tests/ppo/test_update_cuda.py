@@ -79,3 +79,23 @@ def test_the_policy_loss_makes_the_host_wait_for_nothing():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert float(stats.ratio_min) <= float(stats.ratio_max) and torch.isfinite(loss)
+
+
+def test_token_scores_given_the_positions_make_the_host_wait_for_nothing():
+    from prmppo.models.token_scores import response_positions, token_scores
+
+    generator = torch.Generator().manual_seed(0)
+    mask = (torch.arange(12)[None, :] < torch.tensor([12, 3, 0, 7])[:, None]).float()  # [4, 12] on the host
+    head = torch.nn.Linear(16, 50, bias=False).to(DEVICE)
+    hidden = torch.randn(4, 12, 16, generator=generator).to(DEVICE).requires_grad_(True)
+    tokens = torch.randint(0, 50, (4, 12), generator=generator).to(DEVICE)
+    want, _ = token_scores(head, hidden, tokens, mask.to(DEVICE), 0.7, 5)  # positions read off the device
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any wait for the device raises
+    try:
+        got, _ = token_scores(head, hidden, tokens, mask.to(DEVICE, non_blocking=True), 0.7, 5,
+                              positions=response_positions(mask, DEVICE))
+        got.sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, want) and hidden.grad is not None

@@ -119,7 +119,7 @@ def decoder_mask(lm: nn.Module, attention_mask: torch.Tensor) -> torch.Tensor:
 
 def _score(lm: nn.Module, value_head, input_ids, attention_mask, position_ids, response_ids, response_mask,
            prompt_length: int, temperature: float, chunk_tokens: int, with_entropy: bool,
-           entropy_grad: bool = True) -> TokenScores:
+           entropy_grad: bool = True, positions: torch.Tensor | None = None) -> TokenScores:
     """One pass of the decoder, then the LM head on the response positions a chunk at a time."""
     hidden = lm.get_decoder()(input_ids=input_ids, attention_mask=decoder_mask(lm, attention_mask),
                               position_ids=position_ids, use_cache=False).last_hidden_state  # [b, P + T, H] normed
@@ -127,7 +127,7 @@ def _score(lm: nn.Module, value_head, input_ids, attention_mask, position_ids, r
     # the hidden state that predicts response token t sits at position P - 1 + t
     logprobs, entropy = token_scores(lm.get_output_embeddings(), hidden[:, prompt_length - 1:prompt_length - 1 + width],
                                      response_ids, response_mask, temperature, chunk_tokens, with_entropy,
-                                     entropy_grad)
+                                     entropy_grad, positions)
     return TokenScores(logprobs, entropy, None if value_head is None else value_head(hidden))
 
 
@@ -147,12 +147,12 @@ class _PolicyBase:
 
     def score(self, input_ids, attention_mask, position_ids, response_ids, response_mask, prompt_length: int,
               temperature: float, chunk_tokens: int, with_entropy: bool = False,
-              entropy_grad: bool = True) -> TokenScores:
+              entropy_grad: bool = True, positions: torch.Tensor | None = None) -> TokenScores:
         """The policy's logprobs (entropies: with a gradient when `entropy_grad`) of the response tokens
-        and its values, without full logits."""
+        and its values, without full logits (`positions`: as `token_scores` takes them)."""
         return self.scoring_call(self.model, lambda: _score(
             _causal_lm(self.model), self.value_head, input_ids, attention_mask, position_ids, response_ids,
-            response_mask, prompt_length, temperature, chunk_tokens, with_entropy, entropy_grad))
+            response_mask, prompt_length, temperature, chunk_tokens, with_entropy, entropy_grad, positions))
 
     def enable_gradient_checkpointing(self) -> None:
         """Recompute each decoder layer's activations in backward (transformers' own checkpointing,
@@ -304,12 +304,12 @@ class LoraPolicy(_PolicyBase):
 
     @torch.no_grad()
     def reference_score(self, input_ids, attention_mask, position_ids, response_ids, response_mask,
-                        prompt_length: int, temperature: float, chunk_tokens: int) -> torch.Tensor:
+                        prompt_length: int, temperature: float, chunk_tokens: int, positions=None) -> torch.Tensor:
         """Reference logprobs [b, T] of the response tokens (the base: adapters off), without full logits."""
         with adapters_off(self.model):  # peft's disable_adapter reprs every adapter layer for a status check
             return self.scoring_call(self.model, lambda: _score(
                 _causal_lm(self.model), None, input_ids, attention_mask, position_ids, response_ids, response_mask,
-                prompt_length, temperature, chunk_tokens, False).logprobs)
+                prompt_length, temperature, chunk_tokens, False, positions=positions).logprobs)
 
     @torch.no_grad()
     def merged_state_dict(self) -> dict[str, torch.Tensor]:
@@ -379,12 +379,12 @@ class FullPolicy(_PolicyBase):
 
     @torch.no_grad()
     def reference_score(self, input_ids, attention_mask, position_ids, response_ids, response_mask,
-                        prompt_length: int, temperature: float, chunk_tokens: int) -> torch.Tensor:
+                        prompt_length: int, temperature: float, chunk_tokens: int, positions=None) -> torch.Tensor:
         """Reference logprobs [b, T] of the response tokens (the frozen copy, adapters off), without full logits."""
         with adapters_off(self.reference):
             return self.scoring_call(self.reference, lambda: _score(
                 _causal_lm(self.reference), None, input_ids, attention_mask, position_ids, response_ids,
-                response_mask, prompt_length, temperature, chunk_tokens, False).logprobs)
+                response_mask, prompt_length, temperature, chunk_tokens, False, positions=positions).logprobs)
 
     @torch.no_grad()
     def merged_state_dict(self) -> dict[str, torch.Tensor]:

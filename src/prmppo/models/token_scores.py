@@ -61,8 +61,8 @@ def _chunk_scores(head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, t
 
 
 def token_scores(head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor,
-                 temperature: float, chunk_tokens: int, with_entropy: bool = False, entropy_grad: bool = True
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 temperature: float, chunk_tokens: int, with_entropy: bool = False, entropy_grad: bool = True,
+                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs [b, T] of `tokens` [b, T] predicted from `hidden` [b, T, H] through the LM `head`, and
     their entropies [b, T] (None unless `with_entropy`; without a gradient unless `entropy_grad`, for
     an entropy that is only logged); 0 where `mask` [b, T] is 0.
@@ -70,6 +70,10 @@ def token_scores(head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, ma
     `head` is the model's output-embedding module (tied or not, LoRA-wrapped or not), called as the
     model calls it. Gradients reach `hidden` and the head's trainable parameters exactly as through
     the full-logit path.
+
+    `positions` [n] (long, on `hidden`'s device) are the flat indices of `mask`'s nonzero entries in
+    row-major order (`response_positions`), for a caller that holds the mask on the host: read here off
+    a device mask instead, their count makes the host wait for everything queued on the device.
     """
     if hidden.shape[:2] != tokens.shape or tokens.shape != mask.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)}, tokens {tuple(tokens.shape)} and mask {tuple(mask.shape)} "
@@ -78,7 +82,7 @@ def token_scores(head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, ma
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1 (ppo.logit_chunk_tokens)")
     # the masked positions by index: the host learns their count once here, and the backward (an index_add
     # and a gather) needs no count again, where a boolean selection asks for it in both directions
-    flat = mask.reshape(-1).nonzero().squeeze(1)  # [n] positions in the flattened [b * T]
+    flat = mask.reshape(-1).nonzero().squeeze(1) if positions is None else positions  # [n] in the flat [b * T]
     picked_hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat)  # [n, H]
     picked_tokens = tokens.reshape(-1).index_select(0, flat)  # [n]
     recompute = torch.is_grad_enabled()
@@ -93,3 +97,9 @@ def token_scores(head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, ma
     out = hidden.new_zeros((tokens.numel(), 2), dtype=torch.float32).index_copy(0, flat, scores).view(*tokens.shape, 2)
     entropy = (out[..., 1] if entropy_grad else out[..., 1].detach()) if with_entropy else None
     return out[..., 0], entropy  # [b, T] each
+
+
+def response_positions(host_mask: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The `positions` argument of `token_scores` for `host_mask` [b, T] (a CPU tensor): its nonzero entries' flat
+    indices [n], found on the host and copied to `device` without waiting for the device's queue."""
+    return host_mask.reshape(-1).nonzero().squeeze(1).to(device, non_blocking=True)

@@ -20,6 +20,7 @@ from prmppo.ppo import advantages as advantages_rule
 from prmppo.ppo import maths
 from prmppo.ppo.batch import (IDLE_PASS_ROWS, RolloutBatch, TrainBatch, UpdatePlan, length_buckets, plan_update,
                               trim_columns)
+from prmppo.models.token_scores import response_positions
 from prmppo.rewards.kl import kl_estimate
 
 
@@ -121,6 +122,7 @@ class AssembleSteps:
         ids, att, pos = (t[index][:, columns].contiguous() for t in (on_device.input_ids, on_device.attention_mask,
                                                                      on_device.position_ids))
         response_ids, micro_mask = (t[index, :width] for t in (on_device.response_ids, on_device.mask))
+        positions = response_positions(on_device.host_mask[rows][:, :width], self.device)  # [n] read on the host
         scored = None
         with self._precision():
             # compiled layers: the policy's scores come from the graph the update's forward runs (grad mode),
@@ -128,10 +130,10 @@ class AssembleSteps:
             with torch.enable_grad() if ppo.compile else torch.no_grad():
                 if policy:
                     scored = self.policy.score(ids, att, pos, response_ids, micro_mask, plen, ppo.temperature,
-                                               ppo.logit_chunk_tokens)
+                                               ppo.logit_chunk_tokens, positions=positions)
             scored = scored if scored is None else type(scored)(*(None if t is None else t.detach() for t in scored))
             ref = self.policy.reference_score(ids, att, pos, response_ids, micro_mask, plen, ppo.temperature,
-                                              ppo.logit_chunk_tokens)
+                                              ppo.logit_chunk_tokens, positions=positions)
         return scored, ref, micro_mask, plen
 
     def _length_bucketed(self, batch: RolloutBatch, rows: torch.Tensor) -> list[torch.Tensor]:

@@ -21,6 +21,7 @@ import warnings
 import torch
 
 from prmppo.logger.console import progress
+from prmppo.models.token_scores import response_positions
 from prmppo.ppo import advantages as advantages_rule
 from prmppo.ppo import maths
 from prmppo.ppo.batch import IDLE_PASS_ROWS, Minibatch, TrainBatch, UpdatePlan, trim_columns
@@ -36,12 +37,16 @@ _ADDITIVE = ("ppo/policy_loss", "ppo/entropy", "ppo/kl_loss", "value/loss")
 class UpdateSteps:
     """The update of an iteration, on the trainer's policy, optimizers, scheduler, settings (`ppo`) and ranks."""
 
-    def _micro_loss(self, mb: TrainBatch, tokens: float, seqs: float, train_policy: bool):
+    def _micro_loss(self, mb: TrainBatch, tokens: float, seqs: float, train_policy: bool,
+                    positions: torch.Tensor | None = None):
+        """The loss of micro-batch `mb` and its statistics; `positions`: its response tokens' flat indices, from a
+        host copy of its mask (`token_scores`; None reads them off the device)."""
         ppo = self.ppo
         with self._precision():
             scored = self.policy.score(mb.input_ids, mb.attention_mask, mb.position_ids, mb.response_ids,
                                        mb.response_mask, mb.prompt_length, ppo.temperature, ppo.logit_chunk_tokens,
-                                       with_entropy=train_policy, entropy_grad=ppo.entropy_coef != 0)
+                                       with_entropy=train_policy, entropy_grad=ppo.entropy_coef != 0,
+                                       positions=positions)
         plen, width = mb.prompt_length, mb.response_ids.shape[1]
         counts = dict(global_token_count=tokens, global_seq_count=seqs, norm_length=float(ppo.max_new_tokens))
         loss, stats = 0.0, {}
@@ -131,7 +136,8 @@ class UpdateSteps:
             cut = trim_columns(attention[micro], update_mask[micro], train.prompt_length, self.width_multiple)
             index = micro.to(device, non_blocking=True)
             part = train.rows(index).trimmed(cut)
-            loss, stats = self._micro_loss(part, tokens, seqs, train_policy)
+            positions = response_positions(update_mask[micro][:, :cut[1]], device)  # [n] read on the host
+            loss, stats = self._micro_loss(part, tokens, seqs, train_policy, positions)
             if part.old_from_update and train_policy:  # the TrainBatch completed: what the loss read
                 # only the rows it learns from: a dropped group's row in this micro-batch has no update token, so
                 # its logprobs here are 0, and its old logprobs (for the KL metrics) came from the no-grad pass
