@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import torch
 
+from prmppo.models.token_scores import response_positions
 from prmppo.ppo import advantages as advantages_rule
 from prmppo.ppo import maths
 from prmppo.ppo.batch import (IDLE_PASS_ROWS, RolloutBatch, TrainBatch, UpdatePlan, length_buckets, plan_update,
                               trim_columns)
-from prmppo.models.token_scores import response_positions
 from prmppo.rewards.kl import kl_estimate
 
 
