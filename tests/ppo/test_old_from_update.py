@@ -87,13 +87,14 @@ def test_one_step_trains_the_weights_of_the_two_pass_iteration_to_the_bit(arm, o
         assert no_grad_fast == 0
 
 
-def test_a_dropped_groups_rows_beside_kept_rows_keep_their_old_logprobs():
+@pytest.mark.parametrize("arm", ["orm", "prm"])
+def test_a_dropped_groups_rows_beside_kept_rows_keep_their_old_logprobs(arm):
     """Groups of 3 in micro-batches of 4: a dropped group's rows share micro-batches with rows the update learns
     from. The update writes back the old logprobs of the rows it learns from only; a dropped row's (0 under the
     update's mask) stay the no-grad pass's, which the KL metrics read."""
     overrides = ("ppo.advantage_estimator=rloo", "ppo.drop_uniform_groups=true", "ppo.kl_estimator=k3",
                  "ppo.n_samples_per_prompt=3", "ppo.minibatch_rows=12")
-    fast, slow = _trainer(*overrides), _trainer(*overrides)
+    fast, slow = _trainer(*overrides, arm=arm), _trainer(*overrides, arm=arm)
     slow.old_from_update = lambda plan: False
     mixed = 0
     for iteration in range(4):

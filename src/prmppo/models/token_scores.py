@@ -82,7 +82,7 @@ def token_scores(head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, ma
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1 (ppo.logit_chunk_tokens)")
     # the masked positions by index: the host learns their count once here, and the backward (an index_add
     # and a gather) needs no count again, where a boolean selection asks for it in both directions
-    flat = mask.reshape(-1).nonzero().squeeze(1) if positions is None else positions  # [n] in the flat [b * T]
+    flat = response_positions(mask, mask.device) if positions is None else positions  # [n] in the flat [b * T]
     picked_hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat)  # [n, H]
     picked_tokens = tokens.reshape(-1).index_select(0, flat)  # [n]
     recompute = torch.is_grad_enabled()
@@ -99,7 +99,8 @@ def token_scores(head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, ma
     return out[..., 0], entropy  # [b, T] each
 
 
-def response_positions(host_mask: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The `positions` argument of `token_scores` for `host_mask` [b, T] (a CPU tensor): its nonzero entries' flat
-    indices [n], found on the host and copied to `device` without waiting for the device's queue."""
-    return host_mask.reshape(-1).nonzero().squeeze(1).to(device, non_blocking=True)
+def response_positions(mask: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The `positions` argument of `token_scores` for `mask` [b, T]: its nonzero entries' flat indices [n] on
+    `device`. Given a host copy of the mask, they are found on the host and copied without waiting for the
+    device's queue."""
+    return mask.reshape(-1).nonzero().squeeze(1).to(device, non_blocking=True)

@@ -59,8 +59,8 @@ def compute(terms: list[tuple[Tensor, Tensor]], kl: Tensor | None, mask: Tensor,
     """The advantages of one batch under the rule in the module docstring.
 
     `terms`: the reward terms as (values [B, T], events [B, T] bool); `kl` [B, T] the per-token KL
-    estimate (None: no KL pull, the advantages are the task part); `mask` [B, T] the response tokens; `update_mask` [B, T] the tokens the update learns
-    from (the normalisation's statistics are taken over these). `values` [B, T] and `bootstrap` [B]
+    estimate (None: no KL pull, the advantages are the task part); `mask` [B, T] the response tokens;
+    `update_mask` [B, T] the tokens the update learns from (the normalisation's statistics are taken over these). `values` [B, T] and `bootstrap` [B]
     (the value after a truncated row's last token, 0 for rows that ended) are the critic's, used when
     `estimator` is `gae`. `group_std_floor` and `group_same_tol` (reward units, 0 = off) are grpo's
     (`ppo.group_std_floor`, `ppo.group_same_tol`); the caller passes them, so no second default exists.

@@ -133,15 +133,16 @@ class UpdateSteps:
                 self.ranks.idle_pass(lambda: self._idle_micro(train, minibatch, tokens, seqs, train_policy, sums))
                 continue
             # rows of similar length, no all-padding column (compiled layers: a width of `width_multiple`s)
-            cut = trim_columns(attention[micro], update_mask[micro], train.prompt_length, self.width_multiple)
+            micro_mask = update_mask[micro]  # [b, T] on the host
+            cut = trim_columns(attention[micro], micro_mask, train.prompt_length, self.width_multiple)
             index = micro.to(device, non_blocking=True)
             part = train.rows(index).trimmed(cut)
-            positions = response_positions(update_mask[micro][:, :cut[1]], device)  # [n] read on the host
+            positions = response_positions(micro_mask[:, :cut[1]], device)  # [n] read on the host
             loss, stats = self._micro_loss(part, tokens, seqs, train_policy, positions)
             if part.old_from_update and train_policy:  # the TrainBatch completed: what the loss read
                 # only the rows it learns from: a dropped group's row in this micro-batch has no update token, so
                 # its logprobs here are 0, and its old logprobs (for the KL metrics) came from the no-grad pass
-                learns = update_mask[micro].any(-1).nonzero().squeeze(1)  # [b'] positions in the micro-batch (host)
+                learns = micro_mask.any(-1).nonzero().squeeze(1)  # [b'] positions in the micro-batch (host)
                 width, into = part.response_ids.shape[1], micro[learns].to(device, non_blocking=True)
                 old, advantages = (t[learns.to(device, non_blocking=True)] for t in self._taken)
                 train.old_logprobs[into, :width], train.advantages[into, :width] = old, advantages
